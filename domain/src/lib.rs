@@ -1,0 +1,16 @@
+//! Pure types and rules of Custodian: chains, assets, amounts, addresses and hashes.
+//!
+//! Nothing here performs I/O, knows about PostgreSQL or tokio, or is shaped by a wire format.
+//! Every type is a parsed value: once it exists, it is valid.
+
+pub mod address;
+pub mod amount;
+pub mod asset;
+pub mod chain;
+pub mod hash;
+
+pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};
+pub use amount::{Amount, AmountError, ParseAmountError};
+pub use asset::{Asset, AssetError};
+pub use chain::{Chain, UnknownChain};
+pub use hash::{BlockHash, HashError, TxHash};

@@ -1,0 +1,35 @@
+//! The `custodian` binary: parse arguments, load settings, build the pieces, run one command.
+//! Logic lives in the library crates; this file only wires them and chooses the exit code.
+
+mod cli;
+mod commands;
+mod exit;
+mod settings;
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let cli = cli::Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CUSTODIAN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: could not start the async runtime: {e}");
+            return exit::Exit::Operational.into();
+        }
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(exit) => exit.into(),
+        Err(error) => {
+            let exit = exit::classify(&error);
+            eprintln!("error: {error:#}");
+            exit.into()
+        }
+    }
+}

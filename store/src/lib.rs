@@ -1,0 +1,22 @@
+//! PostgreSQL access for Custodian: the connection pool, the migration runner, and the append of
+//! withdrawal events with optimistic concurrency.
+//!
+//! The schema itself lives only in `migrations/`; this crate embeds it. Every query here uses
+//! parameters, never SQL assembled from input.
+
+pub mod events;
+pub mod migrate;
+pub mod pool;
+
+pub use events::{append_withdrawal_event, AppendError};
+pub use pool::{connect, DatabaseUrl, Pool, PoolError, DEFAULT_DATABASE_URL};
+
+/// SQLSTATE of a unique or primary-key violation.
+pub const UNIQUE_VIOLATION: &str = "23505";
+
+/// Whether `error` is PostgreSQL refusing a duplicate key, optionally on the named constraint.
+pub fn is_unique_violation(error: &tokio_postgres::Error, constraint: Option<&str>) -> bool {
+    error.as_db_error().is_some_and(|db| {
+        db.code().code() == UNIQUE_VIOLATION && constraint.is_none_or(|name| db.constraint() == Some(name))
+    })
+}

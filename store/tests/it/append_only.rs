@@ -1,0 +1,105 @@
+//! Every append-only table rejects UPDATE, DELETE and TRUNCATE; the two permitted one-time
+//! updates work exactly once; raw blocks may be pruned.
+
+use custodian_testkit::TestDb;
+
+use crate::{eth_hash, refused, seed_one_of_everything};
+
+/// Table and a harmless-looking change to one of its columns.
+const APPEND_ONLY: &[(&str, &str)] = &[
+    ("chain_block", "parent_hash = parent_hash"),
+    ("deposit_event", "amount = amount + 1"),
+    ("wallet_address", "account_id = account_id"),
+    ("ledger_transfer", "kind = 'adjustment'"),
+    ("ledger_posting", "amount = amount"),
+    ("reversal_proposal", "reason = 'changed'"),
+    ("reversal_decision", "decided_by = 'mallory'"),
+    ("withdrawal_event", "payload = '{\"x\":1}'"),
+    ("nonce_allocation", "withdrawal_id = 2"),
+    ("withdrawal_attempt", "max_fee = 200"),
+];
+
+#[tokio::test]
+async fn append_only_tables_reject_update_delete_and_truncate() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed_one_of_everything(&client).await;
+    for (table, change) in APPEND_ONLY {
+        let count: i64 = client.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0);
+        assert!(count >= 1, "{table} should hold the seeded rows");
+        let message = refused(&client, &format!("update {table} set {change}")).await;
+        assert!(message.starts_with(&format!("append-only table {table}: UPDATE rejected")), "{table}: {message}");
+        let message = refused(&client, &format!("delete from {table}")).await;
+        assert!(message.starts_with(&format!("append-only table {table}: DELETE rejected")), "{table}: {message}");
+        let message = refused(&client, &format!("truncate {table} cascade")).await;
+        assert!(message.contains("TRUNCATE rejected"), "{table}: {message}");
+        let after: i64 = client.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0);
+        assert_eq!(after, count, "{table} lost rows");
+    }
+}
+
+#[tokio::test]
+async fn a_block_can_be_orphan_marked_once_and_only_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed_one_of_everything(&client).await;
+    let block = eth_hash('b');
+    let marked = client
+        .execute("update chain_block set orphaned_at = now() where block_hash = $1 and orphaned_at is null", &[&block])
+        .await
+        .expect("the first orphan mark is the one permitted update");
+    assert_eq!(marked, 1);
+    let message =
+        refused(&client, &format!("update chain_block set orphaned_at = now() where block_hash = '{block}'")).await;
+    assert!(message.contains("UPDATE rejected"), "{message}");
+    let message =
+        refused(&client, &format!("update chain_block set orphaned_at = null where block_hash = '{block}'")).await;
+    assert!(message.contains("UPDATE rejected"), "un-orphaning must be refused: {message}");
+    let message = refused(
+        &client,
+        &format!("update chain_block set orphaned_at = now(), height = 11 where block_hash = '{}'", eth_hash('b')),
+    )
+    .await;
+    assert!(message.contains("UPDATE rejected"), "{message}");
+    let still_orphaned: bool = client
+        .query_one("select orphaned_at is not null and height = 10 from chain_block where block_hash = $1", &[&block])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(still_orphaned);
+}
+
+#[tokio::test]
+async fn an_orphan_mark_together_with_another_change_is_refused() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed_one_of_everything(&client).await;
+    let message =
+        refused(&client, &format!("update chain_block set orphaned_at = now(), parent_hash = '{}'", eth_hash('e')))
+            .await;
+    assert!(message.contains("UPDATE rejected"), "{message}");
+}
+
+#[tokio::test]
+async fn an_ownership_range_can_be_closed_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed_one_of_everything(&client).await;
+    assert_eq!(client.execute("update wallet_address set valid_to_height = 50", &[]).await.unwrap(), 1);
+    let message = refused(&client, "update wallet_address set valid_to_height = 60").await;
+    assert!(message.contains("UPDATE rejected"), "{message}");
+}
+
+#[tokio::test]
+async fn raw_blocks_may_be_pruned_but_never_changed() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    seed_one_of_everything(&client).await;
+    let message = refused(&client, "update raw_block set payload = '\\x01'").await;
+    assert!(message.starts_with("append-only table raw_block: UPDATE rejected"), "{message}");
+    let message = refused(&client, "truncate raw_block").await;
+    assert!(message.contains("TRUNCATE rejected"), "{message}");
+    assert_eq!(client.execute("delete from raw_block", &[]).await.expect("pruning is allowed"), 1);
+    let blocks: i64 = client.query_one("select count(*) from chain_block", &[]).await.unwrap().get(0);
+    assert_eq!(blocks, 1, "pruning raw bytes keeps the block observation");
+}

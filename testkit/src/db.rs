@@ -1,0 +1,132 @@
+//! One database per test, cloned from a migrated template (the `spawn_app` pattern).
+//!
+//! The template is named after the migrations' fingerprint, so a schema change builds a new one.
+//! Creating it is serialised across test processes by an advisory lock, and it is marked
+//! `is_template` only once fully migrated: a half-built template from a crashed run is rebuilt.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, Result};
+use custodian_store::{migrate, DatabaseUrl, Pool};
+
+/// Prefix of every per-test database; `make clean-test-dbs` drops them by it.
+pub const TEST_DB_PREFIX: &str = "custodian_t_";
+
+const TEMPLATE_LOCK_KEY: i64 = 0x7465_6d70_6c61_7465; // "template"
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A migrated database of its own, dropped when the value is dropped.
+pub struct TestDb {
+    /// The database's name.
+    pub name: String,
+    /// A URL for it (handed to the binary under test).
+    pub url: DatabaseUrl,
+    /// A pool connected to it.
+    pub pool: Pool,
+    admin: DatabaseUrl,
+}
+
+/// The server tests run against: `CUSTODIAN_DATABASE_URL` or the project default.
+pub fn server_url() -> DatabaseUrl {
+    let raw =
+        std::env::var("CUSTODIAN_DATABASE_URL").unwrap_or_else(|_| custodian_store::DEFAULT_DATABASE_URL.to_owned());
+    raw.parse().expect("CUSTODIAN_DATABASE_URL is not a valid PostgreSQL URL")
+}
+
+async fn admin_client(admin: &DatabaseUrl) -> Result<tokio_postgres::Client> {
+    let (client, connection) = admin
+        .config()
+        .connect(tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connecting to {admin} (is PostgreSQL running? `make test` starts it)"))?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+async fn ensure_template(admin: &tokio_postgres::Client, server: &DatabaseUrl) -> Result<String> {
+    let template = format!("custodian_tpl_{:016x}", migrate::fingerprint());
+    admin.execute("select pg_advisory_lock($1)", &[&TEMPLATE_LOCK_KEY]).await?;
+    let ready: Option<bool> = admin
+        .query_opt("select datistemplate from pg_database where datname = $1", &[&template])
+        .await?
+        .map(|row| row.get(0));
+    if ready != Some(true) {
+        if ready == Some(false) {
+            admin.batch_execute(&format!("drop database \"{template}\" with (force)")).await?;
+        }
+        admin.batch_execute(&format!("create database \"{template}\"")).await?;
+        let (mut client, connection) = server.with_dbname(&template).config().connect(tokio_postgres::NoTls).await?;
+        let handle = tokio::spawn(connection);
+        migrate::run(&mut client).await.context("migrating the template database")?;
+        drop(client);
+        let _ = handle.await;
+        admin.batch_execute(&format!("alter database \"{template}\" is_template true")).await?;
+    }
+    admin.execute("select pg_advisory_unlock($1)", &[&TEMPLATE_LOCK_KEY]).await?;
+    Ok(template)
+}
+
+impl TestDb {
+    /// A fresh, migrated database.
+    pub async fn new() -> TestDb {
+        TestDb::try_new().await.expect("could not create a test database")
+    }
+
+    async fn try_new() -> Result<TestDb> {
+        let server = server_url();
+        let admin = server.with_dbname("postgres");
+        let client = admin_client(&admin).await?;
+        let template = ensure_template(&client, &server).await?;
+        let name = format!(
+            "{TEST_DB_PREFIX}{}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos()
+        );
+        // Two clones of one template at the same instant can collide on PostgreSQL's check that
+        // nobody else is using the source; retry a bounded number of times.
+        let mut attempts = 0;
+        loop {
+            match client.batch_execute(&format!("create database \"{name}\" template \"{template}\"")).await {
+                Ok(()) => break,
+                Err(e) if attempts < 20 && e.to_string().contains("being accessed by other users") => {
+                    attempts += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(50 * attempts)).await;
+                }
+                Err(e) => return Err(e).context("cloning the template database"),
+            }
+        }
+        let url = server.with_dbname(&name);
+        let pool = custodian_store::connect(&url, 8).await?;
+        Ok(TestDb { name, url, pool, admin })
+    }
+
+    /// A single connection outside the pool (for tests that need their own session).
+    pub async fn client(&self) -> tokio_postgres::Client {
+        let (client, connection) =
+            self.url.config().connect(tokio_postgres::NoTls).await.expect("connecting to the test database");
+        tokio::spawn(connection);
+        client
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        self.pool.close();
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        // Drop runs inside the test's runtime, which must not block on itself: use a thread with
+        // its own small runtime.
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(async {
+                let client = admin_client(&admin).await?;
+                client.batch_execute(&format!("drop database if exists \"{name}\" with (force)")).await?;
+                anyhow::Ok(())
+            })
+        })
+        .join();
+        if let Ok(Err(e)) = dropped {
+            eprintln!("warning: could not drop test database {}: {e:#}", self.name);
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! `migrate`, `status`, exit codes, and the test harness's own anvil launcher.
+
+use custodian_testkit::{Anvil, TestDb};
+
+use crate::harness::custodian;
+
+#[tokio::test]
+async fn migrate_then_status_reports_an_up_to_date_schema() {
+    let db = TestDb::new().await;
+    let empty = format!("{}_fresh", db.name);
+    db.client().await.batch_execute(&format!("create database \"{empty}\"")).await.unwrap();
+    let url = db.url.with_dbname(&empty);
+
+    let before = custodian(url.expose(), &["status", "--json"]);
+    assert_eq!(before.code, 0, "{}", before.stderr);
+    assert_eq!(before.json()["database"]["schema_version"], serde_json::Value::Null);
+    assert_eq!(before.json()["database"]["up_to_date"], false);
+
+    let first = custodian(url.expose(), &["migrate", "--json"]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let latest = custodian_store::migrate::latest_version();
+    assert_eq!(first.json()["applied"].as_array().map(Vec::len), Some(usize::try_from(latest).unwrap()));
+    let second = custodian(url.expose(), &["migrate", "--json"]);
+    assert_eq!(second.code, 0, "{}", second.stderr);
+    assert_eq!(second.json()["applied"], serde_json::json!([]), "re-running is a no-op");
+    assert_eq!(second.json()["schema_version"], latest);
+
+    let status = custodian(url.expose(), &["status", "--json", "--eth-rpc", "http://user:secret@node:8545"]);
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    let report = status.json();
+    assert_eq!(report["database"]["reachable"], true);
+    assert_eq!(report["database"]["schema_version"], latest);
+    assert_eq!(report["database"]["up_to_date"], true);
+    assert_eq!(report["chains"][0]["chain"], "eth");
+    assert_eq!(report["chains"][0]["configured"], true);
+    assert_eq!(report["chains"][1]["configured"], false);
+    assert!(!status.stdout.contains("secret"), "credentials in RPC URLs are masked");
+
+    let text = custodian(url.expose(), &["status"]);
+    assert!(text.stdout.contains("up to date"), "{}", text.stdout);
+    db.client().await.batch_execute(&format!("drop database \"{empty}\" with (force)")).await.unwrap();
+}
+
+#[test]
+fn an_unreachable_database_is_an_operational_error() {
+    let run = custodian("postgres://postgres@127.0.0.1:1/custodian", &["status", "--json"]);
+    assert_eq!(run.code, 1);
+    assert_eq!(run.json()["database"]["reachable"], false);
+    let run = custodian("postgres://postgres@127.0.0.1:1/custodian", &["migrate"]);
+    assert_eq!(run.code, 1);
+    assert!(run.stderr.contains("could not connect to PostgreSQL"), "{}", run.stderr);
+}
+
+#[test]
+fn usage_errors_exit_with_2() {
+    let run = custodian("postgres://postgres@127.0.0.1:5432/custodian", &["no-such-command"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    let run = custodian("not a url at all", &["status"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("CUSTODIAN_DATABASE_URL"), "{}", run.stderr);
+}
+
+#[tokio::test]
+async fn the_anvil_launcher_answers_eth_chain_id() {
+    let anvil = Anvil::spawn().await.expect("anvil starts (run `make setup` first)");
+    let chain_id = anvil.rpc("eth_chainId", serde_json::json!([])).await.unwrap();
+    assert_eq!(chain_id, "0x7a69", "anvil's default chain id is 31337");
+    let second = Anvil::spawn().await.expect("a second anvil on another port");
+    assert_ne!(anvil.port, second.port);
+}

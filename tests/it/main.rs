@@ -1,0 +1,4 @@
+//! End-to-end tests of the `custodian` binary against a real PostgreSQL (and anvil).
+
+mod cli;
+mod harness;
