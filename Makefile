@@ -1,0 +1,37 @@
+# Custodian developer/CI entry points. `make test` is what CI runs.
+
+CUSTODIAN_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/custodian
+CUSTODIAN_ANVIL        ?= $(CURDIR)/.tools/bin/anvil
+CUSTODIAN_SOLCJS       ?= $(CURDIR)/.tools/bin/solcjs
+export CUSTODIAN_DATABASE_URL CUSTODIAN_ANVIL CUSTODIAN_SOLCJS
+
+# Project tools (anvil, solcjs) and rustup's cargo on PATH for every recipe.
+export PATH := $(CURDIR)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
+
+PSQL := psql -X -w -h 127.0.0.1 -p 5432 -U postgres -d postgres
+
+.PHONY: setup test demo bench clean-test-dbs
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	cargo test --workspace --locked
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+
+demo: setup
+	cargo run --locked -- migrate
+	cargo run --locked -- status
+
+bench: setup
+	cargo bench --workspace --locked
+
+# Drop the per-test databases (custodian_t_*) that tests leave behind.
+clean-test-dbs:
+	@$(PSQL) -tAc "select datname from pg_database where datname like 'custodian\_t\_%'" | \
+	while read -r db; do \
+		[ -n "$$db" ] || continue; \
+		echo "dropping $$db"; \
+		$(PSQL) -qc "drop database if exists \"$$db\" with (force)"; \
+	done

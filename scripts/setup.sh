@@ -1,0 +1,220 @@
+#!/usr/bin/env bash
+# Developer/CI bootstrap for Custodian. Idempotent: prints one line per action
+# it takes, and a single "setup: ok" line when there was nothing to do.
+#
+#   - PostgreSQL answering on 127.0.0.1:5432, user postgres without password,
+#     database "custodian"
+#   - anvil (npm @foundry-rs/anvil-linux-amd64) -> .tools/bin/anvil
+#   - solc-js (npm solc)                      -> .tools/bin/solcjs
+#   - checks that a Rust toolchain (cargo, rustfmt, clippy) is present
+set -euo pipefail
+
+ANVIL_VERSION=1.7.1
+SOLC_VERSION=0.8.37
+PG_HOST=127.0.0.1
+PG_PORT=5432
+DB_NAME=custodian
+PG_WAIT_SECONDS=30
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$ROOT/.tools"
+
+log() { echo "setup: $*"; }
+die() { echo "setup: ERROR: $*" >&2; exit 1; }
+
+if [ "$(id -u)" -eq 0 ]; then
+    SUDO=()
+elif command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo)
+else
+    SUDO=()
+fi
+
+# Run a command as root (directly, or through sudo when not root).
+as_root() {
+    if [ "$(id -u)" -ne 0 ] && [ "${#SUDO[@]}" -eq 0 ]; then
+        die "need root (or sudo) to run: $*"
+    fi
+    "${SUDO[@]}" "$@"
+}
+
+# Run a command as the postgres OS user (peer auth over the local socket).
+as_postgres() {
+    if [ "$(id -un)" = postgres ]; then
+        "$@"
+    elif [ "$(id -u)" -eq 0 ]; then
+        runuser -u postgres -- "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo -u postgres "$@"
+    else
+        die "need root (or sudo) to run as postgres: $*"
+    fi
+}
+
+APT_UPDATED=0
+apt_install() {
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        log "apt-get update"
+        as_root apt-get update -qq >/dev/null
+        APT_UPDATED=1
+    fi
+    log "apt-get install $*"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# ---------------------------------------------------------------- PostgreSQL
+
+export PGCONNECT_TIMEOUT=5
+pg_ready() { pg_isready -q -h "$PG_HOST" -p "$PG_PORT" >/dev/null 2>&1; }
+# psql over TCP as postgres, never prompting for a password.
+pg_sql() { psql -X -w -q -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 -tA "$@"; }
+pg_version() { ls /etc/postgresql 2>/dev/null | sort -V | tail -1; }
+pg_has_cluster() {
+    local v
+    v="$(pg_version)"
+    [ -n "$v" ] && [ -f "/etc/postgresql/$v/main/postgresql.conf" ]
+}
+
+ensure_postgres() {
+    if ! command -v pg_isready >/dev/null 2>&1 || ! pg_ready; then
+        if ! pg_has_cluster; then
+            # No server cluster (maybe only the client is installed).
+            apt_install postgresql
+            if ! pg_has_cluster; then
+                local v
+                v="$(ls /usr/lib/postgresql | sort -V | tail -1)"
+                [ -n "$v" ] || die "postgresql installed but no server version found in /usr/lib/postgresql"
+                log "creating PostgreSQL cluster $v/main"
+                as_root pg_createcluster "$v" main >/dev/null
+            fi
+        fi
+        local v
+        v="$(pg_version)"
+        # The package install may already have started it.
+        if ! pg_ready; then
+            if pg_lsclusters -h 2>/dev/null | awk -v v="$v" '$1==v && $2=="main" {print $4}' | grep -q online; then
+                log "PostgreSQL $v/main is running; waiting for it on $PG_HOST:$PG_PORT"
+            else
+                log "starting PostgreSQL cluster $v/main"
+                as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start
+            fi
+        fi
+        local deadline=$((SECONDS + PG_WAIT_SECONDS))
+        until pg_ready; do
+            if [ "$SECONDS" -ge "$deadline" ]; then
+                die "PostgreSQL not answering on $PG_HOST:$PG_PORT after ${PG_WAIT_SECONDS}s (see /var/log/postgresql/)"
+            fi
+            sleep 0.5
+        done
+    fi
+
+    # Tests connect as postgres@127.0.0.1 without a password.
+    if ! pg_sql -c 'select 1' >/dev/null 2>&1; then
+        local hba marker="# custodian: trust loopback for local development"
+        hba="$(as_postgres psql -X -tAc 'show hba_file')" \
+            || die "cannot connect as postgres over TCP, nor over the local socket to fix pg_hba.conf"
+        if ! as_root grep -qF "$marker" "$hba"; then
+            log "pg_hba.conf: trusting 127.0.0.1/32 and ::1/128 ($hba)"
+            local tmp
+            tmp="$(mktemp)"
+            {
+                echo "$marker"
+                echo "host    all    all    127.0.0.1/32    trust"
+                echo "host    all    all    ::1/128         trust"
+                as_root cat "$hba"
+            } >"$tmp"
+            as_root cp "$tmp" "$hba"   # cp keeps the file's owner and mode
+            rm -f "$tmp"
+        fi
+        log "reloading PostgreSQL configuration"
+        as_postgres psql -X -q -tAc 'select pg_reload_conf()' >/dev/null
+        sleep 1
+        pg_sql -c 'select 1' >/dev/null \
+            || die "still cannot connect as postgres@$PG_HOST:$PG_PORT without a password"
+    fi
+
+    # Friendly for plain `psql` as root: a superuser role named root.
+    if [ "$(id -u)" -eq 0 ] && [ -z "$(pg_sql -c "select 1 from pg_roles where rolname='root'")" ]; then
+        log "creating PostgreSQL superuser role root"
+        pg_sql -c 'create role root superuser login' >/dev/null
+    fi
+
+    if [ -z "$(pg_sql -c "select 1 from pg_database where datname='$DB_NAME'")" ]; then
+        log "creating database $DB_NAME"
+        pg_sql -c "create database $DB_NAME" >/dev/null
+    fi
+}
+
+# ---------------------------------------------------------------- npm tools
+
+ensure_node() {
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+        apt_install nodejs npm
+    fi
+}
+
+# install_npm_tool NAME PACKAGE VERSION BIN VERSION_REGEX
+# Each tool gets its own npm prefix: `npm install --no-save` prunes every
+# package that is not in a package.json, so a shared prefix would lose the
+# other tool on each install.
+install_npm_tool() {
+    local name="$1" pkg="$2" version="$3" bin="$4" regex="$5"
+    local link="$TOOLS/bin/$name"
+    if "$link" --version 2>/dev/null | grep -Eq "$regex"; then
+        return 0
+    fi
+    ensure_node
+    local prefix="$TOOLS/npm/$name"
+    log "installing $pkg@$version into ${prefix#"$ROOT"/}"
+    rm -rf "$prefix"
+    mkdir -p "$prefix" "$TOOLS/bin"
+    npm install --prefix "$prefix" --no-save --no-package-lock --no-audit --no-fund \
+        --loglevel=error "$pkg@$version" >/dev/null
+    local pkgdir="$prefix/node_modules/$pkg"
+    # Where the binary lands: the package.json "bin" entry.
+    local rel
+    rel="$(node -e '
+        const p = require(process.argv[1]);
+        const b = typeof p.bin === "string" ? p.bin : (p.bin || {})[process.argv[2]];
+        if (!b) process.exit(1);
+        console.log(b);' "$pkgdir/package.json" "$bin")" \
+        || die "$pkg@$version has no \"$bin\" in its package.json bin field"
+    local target
+    target="$(cd "$pkgdir" && realpath "$rel")"
+    chmod +x "$target"
+    ln -sfn "$(realpath --relative-to="$TOOLS/bin" "$target")" "$link"
+    "$link" --version 2>/dev/null | grep -Eq "$regex" \
+        || die "$link --version does not report $version: $("$link" --version 2>&1 | head -1)"
+    log "$name -> ${target#"$ROOT"/}"
+}
+
+ensure_tools() {
+    local arch
+    arch="$(uname -m)"
+    [ "$arch" = x86_64 ] || die "anvil is pinned to @foundry-rs/anvil-linux-amd64; this machine is $arch"
+    install_npm_tool anvil @foundry-rs/anvil-linux-amd64 "$ANVIL_VERSION" anvil \
+        "Version: ${ANVIL_VERSION//./\\.}([^0-9.]|$)"
+    install_npm_tool solcjs solc "$SOLC_VERSION" solcjs \
+        "^${SOLC_VERSION//./\\.}\\+"
+}
+
+# ---------------------------------------------------------------- Rust
+
+check_rust() {
+    if ! command -v cargo >/dev/null 2>&1; then
+        if [ -x "$HOME/.cargo/bin/cargo" ]; then
+            die "cargo is in ~/.cargo/bin but not on PATH: run 'source ~/.cargo/env' (or add ~/.cargo/bin to PATH)"
+        fi
+        die "no Rust toolchain (cargo not found). Install one with rustup (https://rustup.rs); this script does not download it"
+    fi
+    local c
+    for c in fmt clippy; do
+        cargo "$c" --version >/dev/null 2>&1 \
+            || die "cargo $c is missing: run 'rustup component add $([ $c = fmt ] && echo rustfmt || echo clippy)'"
+    done
+}
+
+ensure_postgres
+ensure_tools
+check_rust
+echo "setup: ok"
