@@ -1,6 +1,7 @@
 //! Command-line arguments. Every command that prints data takes `--json`.
 
 use clap::{Args, Parser, Subcommand};
+use custodian_domain::Chain;
 
 /// Custodian: a custodial-wallet ledger for Bitcoin and Ethereum on PostgreSQL.
 #[derive(Debug, Parser)]
@@ -24,6 +25,21 @@ pub struct GlobalArgs {
     /// Bitcoin Core JSON-RPC endpoint.
     #[arg(long = "btc-rpc", global = true, env = "CUSTODIAN_BTC_RPC_URL", hide_env_values = true)]
     pub btc_rpc: Option<String>,
+    /// Bitcoin Core RPC user (or use a cookie file).
+    #[arg(long = "btc-rpc-user", global = true, env = "CUSTODIAN_BTC_RPC_USER", hide_env_values = true)]
+    pub btc_rpc_user: Option<String>,
+    /// Bitcoin Core RPC password.
+    #[arg(long = "btc-rpc-password", global = true, env = "CUSTODIAN_BTC_RPC_PASSWORD", hide_env_values = true)]
+    pub btc_rpc_password: Option<String>,
+    /// Bitcoin Core's `.cookie` file, instead of a user and password.
+    #[arg(long = "btc-rpc-cookie", global = true, env = "CUSTODIAN_BTC_RPC_COOKIE")]
+    pub btc_rpc_cookie: Option<std::path::PathBuf>,
+    /// Bitcoin network addresses are checked against: mainnet, testnet, signet or regtest.
+    #[arg(long = "btc-network", global = true, env = "CUSTODIAN_BTC_NETWORK", default_value = "mainnet")]
+    pub btc_network: String,
+    /// Blocks of history a reorg may reach and raw payloads are kept for.
+    #[arg(long = "retention-blocks", global = true, env = "CUSTODIAN_RETENTION_BLOCKS", default_value_t = 1024)]
+    pub retention_blocks: u64,
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -35,4 +51,100 @@ pub enum Command {
     Migrate,
     /// Show whether the database answers, its schema version and the configured chains.
     Status,
+    /// Manage customer accounts.
+    #[command(subcommand)]
+    Account(AccountCommand),
+    /// Manage deposit addresses.
+    #[command(subcommand)]
+    Address(AddressCommand),
+    /// Register ERC-20 tokens.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Scan a chain for deposits (to the node's tip with --once, else until stopped).
+    Scan {
+        /// eth or btc.
+        #[arg(long)]
+        chain: Chain,
+        /// Scan to the node's current tip, then exit.
+        #[arg(long)]
+        once: bool,
+        /// Where a never-scanned chain starts.
+        #[arg(long)]
+        from_height: Option<u64>,
+    },
+    /// Move the scan cursor back so the next scan re-reads from a height (nothing is deleted).
+    Rewind {
+        /// eth or btc.
+        #[arg(long)]
+        chain: Chain,
+        /// The height the next scan starts at.
+        #[arg(long)]
+        to_height: u64,
+    },
+    /// Re-derive deposit observations from retained raw blocks, without the node.
+    Reparse {
+        /// eth or btc.
+        #[arg(long)]
+        chain: Chain,
+        /// First height to re-parse.
+        #[arg(long)]
+        from_height: u64,
+    },
+    /// List deposit observations with their block, confirmations and whether orphaned.
+    Deposits {
+        /// Only this account (reference or id).
+        #[arg(long)]
+        account: Option<String>,
+        /// Only this chain.
+        #[arg(long)]
+        chain: Option<Chain>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AccountCommand {
+    /// Create an account (returns the existing one if the reference is taken).
+    Create {
+        /// The operator's reference for the customer.
+        #[arg(long = "ref")]
+        external_ref: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AddressCommand {
+    /// Assign an address to an account from a height (reassignment closes the previous range).
+    Assign {
+        /// Account reference or id.
+        #[arg(long)]
+        account: String,
+        /// eth or btc.
+        #[arg(long)]
+        chain: Chain,
+        /// The address (EIP-55 or lowercase for ETH; on the configured network for BTC).
+        #[arg(long)]
+        address: String,
+        /// First height the account owns it (default: 0 when new, our tip + 1 when reassigned).
+        #[arg(long)]
+        from_height: Option<u64>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Register an ERC-20 contract so its transfers to watched addresses count as deposits.
+    Add {
+        /// Only eth has tokens.
+        #[arg(long)]
+        chain: Chain,
+        /// The token contract.
+        #[arg(long)]
+        contract: String,
+        /// Its symbol, unique per chain.
+        #[arg(long)]
+        symbol: String,
+        /// Its decimals.
+        #[arg(long)]
+        decimals: u8,
+    },
 }

@@ -1,3 +1,6 @@
 //! Balances, ledger postings from confirmed deposits, reversal proposals, replay and verify.
 //!
-//! Filled in by the ledger work; see ARCHITECTURE.md for what this crate owns.
+//! Everything here is a projection: SQL over the appended facts, rebuildable at any time.
+//! This crate does not know how blocks are fetched or how withdrawals are signed.
+
+pub mod deposits;

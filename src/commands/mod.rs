@@ -1,11 +1,14 @@
 //! One module per command; each builds what it needs from [`Settings`] and returns an [`Exit`].
 
+mod account;
+mod deposits;
 mod migrate;
+mod scan;
 mod status;
 
 use anyhow::{Context, Result};
 
-use crate::cli::{Cli, Command};
+use crate::cli::{AccountCommand, AddressCommand, Cli, Command, TokenCommand};
 use crate::exit::Exit;
 use crate::settings::Settings;
 
@@ -15,6 +18,17 @@ pub async fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
         Command::Migrate => migrate::run(&settings).await,
         Command::Status => status::run(&settings).await,
+        Command::Account(AccountCommand::Create { external_ref }) => account::create(&settings, &external_ref).await,
+        Command::Address(AddressCommand::Assign { account, chain, address, from_height }) => {
+            account::assign(&settings, &account, chain, &address, from_height).await
+        }
+        Command::Token(TokenCommand::Add { chain, contract, symbol, decimals }) => {
+            account::add_token(&settings, chain, &contract, &symbol, decimals).await
+        }
+        Command::Scan { chain, once, from_height } => scan::scan(&settings, chain, once, from_height).await,
+        Command::Rewind { chain, to_height } => scan::rewind(&settings, chain, to_height).await,
+        Command::Reparse { chain, from_height } => scan::reparse(&settings, chain, from_height).await,
+        Command::Deposits { account, chain } => deposits::list(&settings, account.as_deref(), chain).await,
     }
 }
 
@@ -29,4 +43,20 @@ pub async fn pool(settings: &Settings) -> Result<custodian_store::Pool> {
     custodian_store::connect(&settings.database_url, custodian_store::pool::DEFAULT_POOL_SIZE)
         .await
         .context("opening the ledger database")
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
 }

@@ -6,6 +6,7 @@
 
 pub mod events;
 pub mod migrate;
+pub mod ownership;
 pub mod pool;
 
 pub use events::{append_withdrawal_event, AppendError};

@@ -1,0 +1,222 @@
+//! Bitcoin over Bitcoin Core's JSON-RPC: `getblockhash`, then `getblock <hash> 0`, decoded locally
+//! with the `bitcoin` crate so amounts are exact satoshis and the bytes kept are the node's own.
+//!
+//! Every output whose script pays an address (P2PKH, P2SH, P2WPKH, P2WSH, P2TR, and any future
+//! witness version) is a transfer keyed by `(txid, vout)`. Coinbase outputs are not deposits: they
+//! cannot be spent for 100 blocks and a custodial address never mines.
+
+use std::time::Duration;
+
+use alloy_primitives::U256;
+use bitcoin::consensus::deserialize;
+use custodian_domain::{BtcNetwork, Chain};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::block::{FetchedBlock, Transfer, TransferAsset};
+use crate::reader::{ChainReader, ReadError};
+
+/// How long one RPC call may take before the node counts as unreachable.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bitcoin Core's RPC_INVALID_PARAMETER, returned by `getblockhash` above the tip.
+const RPC_INVALID_PARAMETER: i64 = -8;
+
+/// Credentials for Bitcoin Core's RPC.
+#[derive(Clone)]
+pub enum BtcAuth {
+    /// `rpcuser` / `rpcpassword`.
+    UserPassword {
+        /// The user.
+        user: String,
+        /// The password (never printed).
+        password: String,
+    },
+    /// The `.cookie` file Bitcoin Core writes into its data directory.
+    CookieFile(std::path::PathBuf),
+    /// No credentials.
+    None,
+}
+
+impl std::fmt::Debug for BtcAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BtcAuth::UserPassword { user, .. } => write!(f, "UserPassword({user}, ***)"),
+            BtcAuth::CookieFile(path) => write!(f, "CookieFile({})", path.display()),
+            BtcAuth::None => f.write_str("None"),
+        }
+    }
+}
+
+/// Reads blocks from Bitcoin Core (or anything answering exactly as it does).
+#[derive(Clone, Debug)]
+pub struct BtcReader {
+    http: reqwest::Client,
+    url: String,
+    auth: BtcAuth,
+    network: BtcNetwork,
+}
+
+#[derive(Deserialize)]
+struct RpcReply {
+    result: Option<Value>,
+    error: Option<RpcErrorBody>,
+}
+
+#[derive(Deserialize)]
+struct RpcErrorBody {
+    code: i64,
+    message: String,
+}
+
+fn unavailable(message: impl std::fmt::Display) -> ReadError {
+    ReadError::Unavailable { chain: Chain::Btc, message: message.to_string() }
+}
+
+fn malformed(message: impl std::fmt::Display) -> ReadError {
+    ReadError::Malformed { chain: Chain::Btc, message: message.to_string() }
+}
+
+impl BtcReader {
+    /// A reader for the node at `url` on `network`.
+    pub fn new(url: &str, auth: BtcAuth, network: BtcNetwork) -> Result<BtcReader, ReadError> {
+        let http = reqwest::Client::builder().timeout(RPC_TIMEOUT).build().map_err(unavailable)?;
+        Ok(BtcReader { http, url: url.to_owned(), auth, network })
+    }
+
+    fn credentials(&self) -> Result<Option<(String, String)>, ReadError> {
+        match &self.auth {
+            BtcAuth::UserPassword { user, password } => Ok(Some((user.clone(), password.clone()))),
+            BtcAuth::CookieFile(path) => {
+                // Re-read each time: Bitcoin Core writes a new cookie on every start.
+                let cookie = std::fs::read_to_string(path)
+                    .map_err(|e| unavailable(format!("cannot read cookie file {}: {e}", path.display())))?;
+                let (user, password) = cookie
+                    .trim()
+                    .split_once(':')
+                    .ok_or_else(|| unavailable(format!("cookie file {} is not user:password", path.display())))?;
+                Ok(Some((user.to_owned(), password.to_owned())))
+            }
+            BtcAuth::None => Ok(None),
+        }
+    }
+
+    /// One JSON-RPC call. Bitcoin Core answers errors with HTTP 500 and a JSON body, so the body
+    /// is read whatever the status; 401 has no body.
+    async fn call(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcErrorBody>, ReadError> {
+        let body = json!({"jsonrpc": "1.0", "id": "custodian", "method": method, "params": params});
+        let mut request = self.http.post(&self.url).json(&body);
+        if let Some((user, password)) = self.credentials()? {
+            request = request.basic_auth(user, Some(password));
+        }
+        let response = request.send().await.map_err(|e| unavailable(format!("{method}: {e}")))?;
+        let status = response.status();
+        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
+            return Err(ReadError::Rpc {
+                chain: Chain::Btc,
+                method,
+                message: format!("HTTP {status}: check CUSTODIAN_BTC_RPC_USER / _PASSWORD or the cookie file"),
+            });
+        }
+        let text = response.text().await.map_err(|e| unavailable(format!("{method}: {e}")))?;
+        let reply: RpcReply = serde_json::from_str(&text).map_err(|e| {
+            malformed(format!("{method} answered HTTP {status} with a non-JSON-RPC body ({e}): {text:.200}"))
+        })?;
+        match (reply.error, reply.result) {
+            (Some(error), _) => Ok(Err(error)),
+            (None, Some(result)) => Ok(Ok(result)),
+            (None, None) => Ok(Ok(Value::Null)),
+        }
+    }
+
+    async fn call_ok(&self, method: &'static str, params: Value) -> Result<Value, ReadError> {
+        self.call(method, params).await?.map_err(|e| ReadError::Rpc {
+            chain: Chain::Btc,
+            method,
+            message: format!("code {}: {}", e.code, e.message),
+        })
+    }
+
+    /// The network this reader decodes addresses for.
+    pub fn network(&self) -> BtcNetwork {
+        self.network
+    }
+}
+
+/// Decodes a stored BTC block (consensus bytes) at `height` into its identity and transfers.
+pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<FetchedBlock, ReadError> {
+    let block: bitcoin::Block = deserialize(payload).map_err(|e| malformed(format!("block {height}: {e}")))?;
+    let mut transfers = Vec::new();
+    for tx in block.txdata.iter().filter(|tx| !tx.is_coinbase()) {
+        let txid = tx.compute_txid().to_string();
+        for (vout, output) in tx.output.iter().enumerate() {
+            if output.value.to_sat() == 0 {
+                continue;
+            }
+            let Ok(address) = bitcoin::Address::from_script(&output.script_pubkey, network.to_bitcoin()) else {
+                continue;
+            };
+            transfers.push(Transfer {
+                tx_hash: txid.clone(),
+                output_index: u32::try_from(vout).map_err(malformed)?,
+                to: address.to_string(),
+                asset: TransferAsset::Native,
+                amount: U256::from(output.value.to_sat()),
+            });
+        }
+    }
+    Ok(FetchedBlock {
+        height,
+        hash: block.block_hash().to_string(),
+        parent_hash: block.header.prev_blockhash.to_string(),
+        payload: payload.to_vec(),
+        transfers,
+    })
+}
+
+fn as_hash(value: Value, method: &str) -> Result<String, ReadError> {
+    match value {
+        Value::String(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(s.to_ascii_lowercase()),
+        other => Err(malformed(format!("{method} returned {other} instead of a block hash"))),
+    }
+}
+
+impl ChainReader for BtcReader {
+    fn chain(&self) -> Chain {
+        Chain::Btc
+    }
+
+    async fn tip_height(&self) -> Result<u64, ReadError> {
+        let count = self.call_ok("getblockcount", json!([])).await?;
+        count.as_u64().ok_or_else(|| malformed(format!("getblockcount returned {count}")))
+    }
+
+    async fn block_hash(&self, height: u64) -> Result<Option<String>, ReadError> {
+        match self.call("getblockhash", json!([height])).await? {
+            Ok(value) => as_hash(value, "getblockhash").map(Some),
+            Err(e) if e.code == RPC_INVALID_PARAMETER => Ok(None),
+            Err(e) => Err(ReadError::Rpc { chain: Chain::Btc, method: "getblockhash", message: e.message }),
+        }
+    }
+
+    async fn fetch_block(&self, height: u64) -> Result<Option<FetchedBlock>, ReadError> {
+        let Some(hash) = self.block_hash(height).await? else { return Ok(None) };
+        let hex = match self.call_ok("getblock", json!([hash, 0])).await? {
+            Value::String(hex) => hex,
+            other => return Err(malformed(format!("getblock {hash} 0 returned {other:.100}"))),
+        };
+        let bytes = decode_hex(&hex).ok_or_else(|| malformed(format!("getblock {hash} 0 returned invalid hex")))?;
+        let block = parse_block(&bytes, height, self.network)?;
+        if block.hash != hash {
+            return Err(malformed(format!("asked for block {hash}, got {}", block.hash)));
+        }
+        Ok(Some(block))
+    }
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
+}

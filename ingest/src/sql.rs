@@ -1,0 +1,372 @@
+//! The queries the scanner owns: cursor, our canonical chain, the watched set, and the ingest of a
+//! batch. Each function documents which transaction it expects to run in.
+
+use std::collections::{HashMap, HashSet};
+
+use custodian_domain::Chain;
+use deadpool_postgres::GenericClient;
+
+use crate::block::FetchedBlock;
+
+/// A deposit the scanner is about to record: a transfer to a watched address in a known asset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DepositRow {
+    /// Block the transfer was observed in.
+    pub block_hash: String,
+    /// Transaction hash.
+    pub tx_hash: String,
+    /// vout or log index.
+    pub output_index: u32,
+    /// Watched recipient.
+    pub address: String,
+    /// Asset key.
+    pub asset: String,
+    /// Smallest units, as a decimal string for `numeric(78,0)`.
+    pub amount: String,
+}
+
+/// What one batch ingest did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngestOutcome {
+    /// Blocks newly stored (already-known blocks are skipped).
+    pub blocks_inserted: u64,
+    /// Deposit observations newly stored.
+    pub deposits_inserted: u64,
+    /// Canonical blocks orphan-marked because the node now has another block at their height.
+    pub orphaned: u64,
+}
+
+/// Why a batch was not ingested. The transaction was rolled back; nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    /// Another scanner moved the cursor since we read it.
+    #[error("{chain} cursor is at {found:?}, expected {expected}: another scanner is running")]
+    CursorMoved {
+        /// Chain.
+        chain: Chain,
+        /// Height this batch starts at.
+        expected: u64,
+        /// What the cursor says now.
+        found: Option<u64>,
+    },
+    /// The first block's parent is not our canonical block below it: the node reorged.
+    #[error("{chain} block {height} does not extend our block {ours} (its parent is {parent})")]
+    ParentMismatch {
+        /// Chain.
+        chain: Chain,
+        /// Height of the block that does not fit.
+        height: u64,
+        /// Its parent according to the node.
+        parent: String,
+        /// Our canonical block at `height - 1`.
+        ours: String,
+    },
+    /// A block we orphaned earlier is canonical again. The one-time orphan mark cannot be undone,
+    /// so this needs an operator; the scanner stops rather than guess.
+    #[error("{chain} block {hash} was orphaned earlier and the node now has it on its best chain again")]
+    Reinstated {
+        /// Chain.
+        chain: Chain,
+        /// The block.
+        hash: String,
+    },
+    /// The database failed.
+    #[error("database error while ingesting {chain} blocks: {source}")]
+    Database {
+        /// Chain.
+        chain: Chain,
+        /// The error.
+        source: tokio_postgres::Error,
+    },
+}
+
+fn height_i64(height: u64) -> i64 {
+    i64::try_from(height).expect("BUG: block height beyond i64")
+}
+
+fn height_u64(height: i64) -> u64 {
+    u64::try_from(height).expect("BUG: negative height in the database (a check constraint forbids it)")
+}
+
+/// The cursor's next height, if the chain was ever scanned.
+pub async fn cursor<C: GenericClient>(client: &C, chain: Chain) -> Result<Option<u64>, tokio_postgres::Error> {
+    let row = client.query_opt("select next_height from scan_cursor where chain = $1", &[&chain.as_str()]).await?;
+    Ok(row.map(|r| height_u64(r.get(0))))
+}
+
+/// Creates the cursor at `height` unless one exists; returns the cursor's value.
+pub async fn init_cursor<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    height: u64,
+) -> Result<u64, tokio_postgres::Error> {
+    client
+        .execute(
+            "insert into scan_cursor (chain, next_height) values ($1, $2) on conflict (chain) do nothing",
+            &[&chain.as_str(), &height_i64(height)],
+        )
+        .await?;
+    Ok(cursor(client, chain).await?.expect("BUG: cursor row vanished right after insert"))
+}
+
+/// Our tip: the highest non-orphaned block we hold, never the node's answer.
+pub async fn our_tip<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+) -> Result<Option<(u64, String)>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "select height, block_hash from chain_block where chain = $1 and orphaned_at is null
+             order by height desc limit 1",
+            &[&chain.as_str()],
+        )
+        .await?;
+    Ok(row.map(|r| (height_u64(r.get(0)), r.get(1))))
+}
+
+/// Our canonical blocks from the tip down, at most `limit` of them.
+pub async fn canonical_desc<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    limit: u64,
+) -> Result<Vec<(u64, String)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "select height, block_hash from chain_block where chain = $1 and orphaned_at is null
+             order by height desc limit $2",
+            &[&chain.as_str(), &height_i64(limit)],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (height_u64(r.get(0)), r.get(1))).collect())
+}
+
+/// Every address ever assigned on `chain`: attribution to accounts happens later, by height.
+pub async fn watched_addresses<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+) -> Result<HashSet<String>, tokio_postgres::Error> {
+    let rows = client.query("select distinct address from wallet_address where chain = $1", &[&chain.as_str()]).await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Registered ERC-20 contracts (lowercase hex) and their asset keys.
+pub async fn registered_tokens<C: GenericClient>(client: &C) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+    let rows =
+        client.query("select contract, asset from asset where chain = 'eth' and contract is not null", &[]).await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+const LOCK_CURSOR: &str = "select next_height from scan_cursor where chain = $1 for update";
+
+/// Orphans canonical blocks at or above the first height where the batch brings a different
+/// block. Only reached after the parent check passed, so the batch extends our chain below it.
+const ORPHAN_REPLACED: &str = "
+update chain_block c set orphaned_at = now()
+ where c.chain = $1 and c.orphaned_at is null
+   and c.height >= (select min(n.height)
+                      from unnest($2::bigint[], $3::text[]) as n(height, block_hash)
+                      join chain_block o on o.chain = $1 and o.height = n.height
+                                        and o.orphaned_at is null and o.block_hash <> n.block_hash)";
+
+const INSERT_BLOCKS: &str = "
+insert into chain_block (chain, height, block_hash, parent_hash)
+select $1, n.height, n.block_hash, n.parent_hash
+  from unnest($2::bigint[], $3::text[], $4::text[]) as n(height, block_hash, parent_hash)
+on conflict (chain, block_hash) do nothing";
+
+const REINSTATED: &str = "
+select block_hash from chain_block where chain = $1 and block_hash = any($2::text[]) and orphaned_at is not null
+ limit 1";
+
+const INSERT_RAW: &str = "
+insert into raw_block (chain, block_hash, payload)
+select $1, n.block_hash, n.payload from unnest($2::text[], $3::bytea[]) as n(block_hash, payload)
+on conflict (chain, block_hash) do nothing";
+
+const INSERT_DEPOSITS: &str = "
+insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
+select $1, n.block_hash, n.tx_hash, n.output_index, n.address, n.asset, n.amount::numeric(78,0)
+  from unnest($2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::text[])
+       as n(block_hash, tx_hash, output_index, address, asset, amount)
+on conflict (chain, tx_hash, output_index, block_hash) do nothing";
+
+const ADVANCE_CURSOR: &str = "update scan_cursor set next_height = $2, updated_at = now() where chain = $1";
+
+/// Deletes retained payloads of blocks below `$2`: the only deletion in the system.
+const PRUNE_RAW: &str = "
+delete from raw_block r using chain_block b
+ where r.chain = $1 and b.chain = r.chain and b.block_hash = r.block_hash and b.height < $2";
+
+/// Stores `blocks` (consecutive, each the parent of the next) and their deposits, advances the
+/// cursor past them and prunes payloads older than `retention_blocks`, all in one transaction.
+///
+/// # Cancel safety
+/// Everything happens in one transaction; a cancelled call rolls back and writes nothing.
+pub async fn ingest_batch(
+    client: &mut deadpool_postgres::Object,
+    chain: Chain,
+    blocks: &[FetchedBlock],
+    deposits: &[DepositRow],
+    retention_blocks: u64,
+) -> Result<IngestOutcome, IngestError> {
+    let db = |source| IngestError::Database { chain, source };
+    let (Some(first), Some(last)) = (blocks.first(), blocks.last()) else { return Ok(IngestOutcome::default()) };
+    let name = chain.as_str();
+    let tx = client.transaction().await.map_err(db)?;
+
+    let found = tx.query_opt(LOCK_CURSOR, &[&name]).await.map_err(db)?.map(|r| height_u64(r.get(0)));
+    if found != Some(first.height) {
+        return Err(IngestError::CursorMoved { chain, expected: first.height, found });
+    }
+    if let Some(below) = first.height.checked_sub(1) {
+        let ours: Option<String> = tx
+            .query_opt(
+                "select block_hash from chain_block where chain = $1 and height = $2 and orphaned_at is null",
+                &[&name, &height_i64(below)],
+            )
+            .await
+            .map_err(db)?
+            .map(|r| r.get(0));
+        if let Some(ours) = ours.filter(|ours| *ours != first.parent_hash) {
+            return Err(IngestError::ParentMismatch {
+                chain,
+                height: first.height,
+                parent: first.parent_hash.clone(),
+                ours,
+            });
+        }
+    }
+
+    let heights: Vec<i64> = blocks.iter().map(|b| height_i64(b.height)).collect();
+    let hashes: Vec<&str> = blocks.iter().map(|b| b.hash.as_str()).collect();
+    let parents: Vec<&str> = blocks.iter().map(|b| b.parent_hash.as_str()).collect();
+    let payloads: Vec<&[u8]> = blocks.iter().map(|b| b.payload.as_slice()).collect();
+
+    let orphaned = tx.execute(ORPHAN_REPLACED, &[&name, &heights, &hashes]).await.map_err(db)?;
+    let blocks_inserted = tx.execute(INSERT_BLOCKS, &[&name, &heights, &hashes, &parents]).await.map_err(db)?;
+    if let Some(row) = tx.query_opt(REINSTATED, &[&name, &hashes]).await.map_err(db)? {
+        return Err(IngestError::Reinstated { chain, hash: row.get(0) });
+    }
+    tx.execute(INSERT_RAW, &[&name, &hashes, &payloads]).await.map_err(db)?;
+
+    let deposits_inserted = insert_deposits(&tx, chain, deposits).await.map_err(db)?;
+
+    tx.execute(ADVANCE_CURSOR, &[&name, &height_i64(last.height + 1)]).await.map_err(db)?;
+    if let Some(horizon) = last.height.checked_sub(retention_blocks) {
+        tx.execute(PRUNE_RAW, &[&name, &height_i64(horizon)]).await.map_err(db)?;
+    }
+    tx.commit().await.map_err(db)?;
+    Ok(IngestOutcome { blocks_inserted, deposits_inserted, orphaned })
+}
+
+/// Orphans every canonical block above `fork_height` and moves the cursor to `fork_height + 1`,
+/// in one transaction. Returns how many blocks were orphaned.
+///
+/// # Cancel safety
+/// One transaction; a cancelled call changes nothing.
+pub async fn orphan_above(
+    client: &mut deadpool_postgres::Object,
+    chain: Chain,
+    fork_height: Option<u64>,
+) -> Result<u64, tokio_postgres::Error> {
+    let name = chain.as_str();
+    let tx = client.transaction().await?;
+    tx.query_opt(LOCK_CURSOR, &[&name]).await?;
+    let above = fork_height.map_or(-1, height_i64);
+    let orphaned = tx
+        .execute(
+            "update chain_block set orphaned_at = now() where chain = $1 and orphaned_at is null and height > $2",
+            &[&name, &above],
+        )
+        .await?;
+    tx.execute(ADVANCE_CURSOR, &[&name, &(above + 1)]).await?;
+    tx.commit().await?;
+    Ok(orphaned)
+}
+
+/// Why a rewind was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RewindError {
+    /// The chain was never scanned.
+    #[error("{0} has never been scanned: nothing to rewind")]
+    NeverScanned(Chain),
+    /// Rewinding forward would skip blocks.
+    #[error("{chain} cannot be rewound to {to}: our tip is {tip:?} and the cursor is at {cursor}")]
+    AboveTip {
+        /// Chain.
+        chain: Chain,
+        /// Requested height.
+        to: u64,
+        /// Our tip.
+        tip: Option<u64>,
+        /// The cursor.
+        cursor: u64,
+    },
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Moves the cursor back to `to_height` so the next scan re-reads from there. Nothing is deleted
+/// or orphaned: re-ingesting a block we hold is a no-op.
+pub async fn rewind(client: &mut deadpool_postgres::Object, chain: Chain, to_height: u64) -> Result<u64, RewindError> {
+    let name = chain.as_str();
+    let tx = client.transaction().await?;
+    let Some(row) = tx.query_opt(LOCK_CURSOR, &[&name]).await? else { return Err(RewindError::NeverScanned(chain)) };
+    let cursor = height_u64(row.get(0));
+    if to_height > cursor {
+        let tip = our_tip(&tx, chain).await?.map(|(h, _)| h);
+        return Err(RewindError::AboveTip { chain, to: to_height, tip, cursor });
+    }
+    tx.execute(ADVANCE_CURSOR, &[&name, &height_i64(to_height)]).await?;
+    tx.commit().await?;
+    Ok(cursor)
+}
+
+/// Canonical blocks from `from_height` up with their retained payloads, in height order, at most
+/// `limit` starting at `from_height`.
+pub async fn retained_blocks<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    from_height: u64,
+    limit: u64,
+) -> Result<Vec<(u64, String, Vec<u8>)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "select b.height, b.block_hash, r.payload from chain_block b
+               join raw_block r on r.chain = b.chain and r.block_hash = b.block_hash
+              where b.chain = $1 and b.orphaned_at is null and b.height >= $2
+              order by b.height limit $3",
+            &[&chain.as_str(), &height_i64(from_height), &height_i64(limit)],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (height_u64(r.get(0)), r.get(1), r.get(2))).collect())
+}
+
+/// Inserts re-derived deposit observations; existing ones are left as they are.
+pub async fn insert_deposits<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    deposits: &[DepositRow],
+) -> Result<u64, tokio_postgres::Error> {
+    if deposits.is_empty() {
+        return Ok(0);
+    }
+    let column = |f: fn(&DepositRow) -> &str| deposits.iter().map(f).collect::<Vec<_>>();
+    let indexes: Vec<i32> =
+        deposits.iter().map(|d| i32::try_from(d.output_index).expect("BUG: output index beyond i32")).collect();
+    client
+        .execute(
+            INSERT_DEPOSITS,
+            &[
+                &chain.as_str(),
+                &column(|d| &d.block_hash),
+                &column(|d| &d.tx_hash),
+                &indexes,
+                &column(|d| &d.address),
+                &column(|d| &d.asset),
+                &column(|d| &d.amount),
+            ],
+        )
+        .await
+}

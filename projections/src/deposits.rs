@@ -1,0 +1,99 @@
+//! Deposit observations with their block, confirmations and attribution, as operators list them.
+
+use alloy_primitives::U256;
+use custodian_domain::{Amount, Chain};
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+
+/// Observations listed per call, newest first.
+pub const MAX_LISTED: i64 = 1000;
+
+/// One deposit observation as read from the `deposit_status` view.
+#[derive(Debug, Clone, Serialize)]
+pub struct DepositView {
+    /// Observation id.
+    pub id: i64,
+    /// Chain.
+    pub chain: String,
+    /// Transaction hash.
+    pub tx_hash: String,
+    /// vout or log index.
+    pub output_index: i32,
+    /// Block the observation belongs to.
+    pub block_hash: String,
+    /// Its height.
+    pub height: i64,
+    /// Recipient.
+    pub address: String,
+    /// Asset key.
+    pub asset: String,
+    /// Asset symbol.
+    pub symbol: String,
+    /// Smallest units.
+    pub amount: Amount,
+    /// Whole units, for people.
+    pub amount_display: String,
+    /// Owner at the block's height (none for an address unassigned at that height).
+    pub account_id: Option<i64>,
+    /// Owner's reference.
+    pub account_ref: Option<String>,
+    /// The block was retracted by a reorg.
+    pub orphaned: bool,
+    /// Blocks on top of it, counting its own (0 when orphaned).
+    pub confirmations: i64,
+    /// What the confirmation policy asks for this amount.
+    pub required_confirmations: Option<i32>,
+    /// Enough confirmations on a non-orphaned block.
+    pub confirmed: bool,
+    /// A ledger transfer credits it.
+    pub posted: bool,
+}
+
+const LIST: &str = "
+select d.id, d.chain, d.tx_hash, d.output_index, d.block_hash, d.height, d.address, d.asset, a.symbol,
+       a.decimals, d.amount, d.account_id, acc.external_ref, d.orphaned, d.confirmations,
+       d.required_confirmations, d.confirmed, d.posted
+  from deposit_status d
+  join asset a on a.asset = d.asset
+  left join account acc on acc.id = d.account_id
+ where ($1::bigint is null or d.account_id = $1)
+   and ($2::text is null or d.chain = $2)
+ order by d.height desc, d.id desc
+ limit $3";
+
+/// Lists observations, optionally for one account and one chain, newest first.
+pub async fn list<C: GenericClient>(
+    client: &C,
+    account_id: Option<i64>,
+    chain: Option<Chain>,
+) -> Result<Vec<DepositView>, tokio_postgres::Error> {
+    let chain = chain.map(Chain::as_str);
+    let rows = client.query(LIST, &[&account_id, &chain, &MAX_LISTED]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let decimals = u8::try_from(r.get::<_, i16>(9)).expect("BUG: decimals outside 0..=77");
+            let amount = Amount::from_units(r.get::<_, U256>(10));
+            DepositView {
+                id: r.get(0),
+                chain: r.get(1),
+                tx_hash: r.get(2),
+                output_index: r.get(3),
+                block_hash: r.get(4),
+                height: r.get(5),
+                address: r.get(6),
+                asset: r.get(7),
+                symbol: r.get(8),
+                amount,
+                amount_display: amount.to_decimal_string(decimals),
+                account_id: r.get(11),
+                account_ref: r.get(12),
+                orphaned: r.get(13),
+                confirmations: r.get::<_, Option<i64>>(14).unwrap_or(0),
+                required_confirmations: r.get(15),
+                confirmed: r.get(16),
+                posted: r.get(17),
+            }
+        })
+        .collect())
+}

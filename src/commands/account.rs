@@ -1,0 +1,110 @@
+//! `custodian account create`, `address assign`, `token add`.
+
+use anyhow::{Context, Result};
+use custodian_domain::{BtcAddress, Chain, EthAddress};
+use custodian_store::ownership::{self, OwnershipError};
+use serde_json::json;
+
+use crate::exit::{invalid, Exit};
+use crate::settings::Settings;
+
+/// Turns refusals into validation errors (exit 2) and keeps database failures operational.
+fn classify(error: OwnershipError) -> anyhow::Error {
+    match error {
+        OwnershipError::Database(e) => anyhow::Error::new(e).context("database error"),
+        refusal => invalid(refusal.to_string()),
+    }
+}
+
+pub async fn create(settings: &Settings, external_ref: &str) -> Result<Exit> {
+    let external_ref = external_ref.trim();
+    if external_ref.is_empty() {
+        return Err(invalid("--ref must not be empty"));
+    }
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await.context("taking a database connection")?;
+    let (account, created) = ownership::create_account(&client, external_ref).await.map_err(classify)?;
+    if settings.json {
+        super::print_json(&json!({ "id": account.id, "external_ref": account.external_ref, "created": created }))?;
+    } else if created {
+        println!("created account {} ({})", account.id, account.external_ref);
+    } else {
+        println!("account {} ({}) already exists", account.id, account.external_ref);
+    }
+    Ok(Exit::Success)
+}
+
+/// Parses an address for `chain` into its stored form.
+pub fn stored_address(settings: &Settings, chain: Chain, address: &str) -> Result<String> {
+    match chain {
+        Chain::Eth => {
+            EthAddress::parse(address.trim()).map(|a| a.to_lowercase_hex()).map_err(|e| invalid(e.to_string()))
+        }
+        Chain::Btc => {
+            BtcAddress::parse(address, settings.btc_network).map(|a| a.to_string()).map_err(|e| invalid(e.to_string()))
+        }
+    }
+}
+
+pub async fn assign(
+    settings: &Settings,
+    account: &str,
+    chain: Chain,
+    address: &str,
+    from_height: Option<u64>,
+) -> Result<Exit> {
+    let address = stored_address(settings, chain, address)?;
+    if from_height.is_some_and(|h| i64::try_from(h).is_err()) {
+        return Err(invalid("--from-height is too large"));
+    }
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await.context("taking a database connection")?;
+    let account = ownership::find_account(&client, account).await.map_err(classify)?;
+    let (owned, changed) =
+        ownership::assign_address(&mut client, chain, &address, account.id, from_height).await.map_err(classify)?;
+    if settings.json {
+        super::print_json(&json!({
+            "chain": chain, "address": owned.address, "account_id": owned.account_id,
+            "account_ref": account.external_ref, "valid_from_height": owned.valid_from_height, "changed": changed,
+        }))?;
+    } else if changed {
+        println!(
+            "{chain} {} belongs to account {} from height {}",
+            owned.address, account.external_ref, owned.valid_from_height
+        );
+    } else {
+        println!(
+            "{chain} {} already belongs to account {} (from height {})",
+            owned.address, account.external_ref, owned.valid_from_height
+        );
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn add_token(settings: &Settings, chain: Chain, contract: &str, symbol: &str, decimals: u8) -> Result<Exit> {
+    if chain != Chain::Eth {
+        return Err(invalid(format!("tokens exist only on eth, not {chain}")));
+    }
+    let contract = EthAddress::parse(contract.trim()).map_err(|e| invalid(e.to_string()))?.to_lowercase_hex();
+    let symbol = symbol.trim();
+    if symbol.is_empty() || symbol.len() > 16 || !symbol.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Err(invalid(format!("--symbol {symbol:?} must be 1 to 16 letters or digits")));
+    }
+    if decimals > custodian_domain::amount::MAX_DECIMALS {
+        return Err(invalid(format!(
+            "--decimals {decimals} is above the maximum of {}",
+            custodian_domain::amount::MAX_DECIMALS
+        )));
+    }
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await.context("taking a database connection")?;
+    let (asset, created) = ownership::add_token(&client, &contract, symbol, decimals).await.map_err(classify)?;
+    if settings.json {
+        super::print_json(&json!({ "asset": asset, "symbol": symbol, "decimals": decimals, "created": created }))?;
+    } else if created {
+        println!("registered {symbol} ({asset}, {decimals} decimals)");
+    } else {
+        println!("{symbol} ({asset}) is already registered");
+    }
+    Ok(Exit::Success)
+}

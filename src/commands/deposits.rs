@@ -1,0 +1,49 @@
+//! `custodian deposits`: observations with their block, confirmations and whether orphaned.
+
+use anyhow::{Context, Result};
+use custodian_domain::Chain;
+use custodian_store::ownership;
+
+use crate::exit::{invalid, Exit};
+use crate::settings::Settings;
+
+pub async fn list(settings: &Settings, account: Option<&str>, chain: Option<Chain>) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await.context("taking a database connection")?;
+    let account_id = match account {
+        Some(key) => Some(ownership::find_account(&client, key).await.map_err(|e| invalid(e.to_string()))?.id),
+        None => None,
+    };
+    let deposits =
+        custodian_projections::deposits::list(&client, account_id, chain).await.context("listing deposits")?;
+    if settings.json {
+        return super::print_json(&deposits).map(|()| Exit::Success);
+    }
+    if deposits.is_empty() {
+        println!("no deposits observed");
+    }
+    for d in &deposits {
+        let state = if d.orphaned {
+            "orphaned".to_owned()
+        } else if d.posted {
+            "posted".to_owned()
+        } else if d.confirmed {
+            "confirmed".to_owned()
+        } else {
+            format!("pending {}/{}", d.confirmations, d.required_confirmations.unwrap_or(0))
+        };
+        println!(
+            "{:<4} {:>8} {} {}:{} {} {} -> {} [{}]",
+            d.chain,
+            d.height,
+            d.block_hash.get(..12).unwrap_or(&d.block_hash),
+            d.tx_hash,
+            d.output_index,
+            d.amount_display,
+            d.symbol,
+            d.account_ref.as_deref().unwrap_or(&d.address),
+            state
+        );
+    }
+    Ok(Exit::Success)
+}
