@@ -291,7 +291,7 @@ pub enum RewindError {
     #[error("{0} has never been scanned: nothing to rewind")]
     NeverScanned(Chain),
     /// Rewinding forward would skip blocks.
-    #[error("{chain} cannot be rewound to {to}: our tip is {tip:?} and the cursor is at {cursor}")]
+    #[error("{chain} cannot be rewound to {to}: the cursor is at {cursor} (our tip is {})", tip.map_or("none".to_owned(), |t| t.to_string()))]
     AboveTip {
         /// Chain.
         chain: Chain,

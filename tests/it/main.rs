@@ -1,4 +1,5 @@
 //! End-to-end tests of the `custodian` binary against a real PostgreSQL (and anvil).
 
 mod cli;
+mod deposits;
 mod harness;

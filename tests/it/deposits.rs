@@ -1,0 +1,153 @@
+//! Deposits through the command line: set-up commands, scanning, listing, and bad input.
+
+use custodian_testkit::{Anvil, TestDb};
+use serde_json::json;
+
+use crate::harness::custodian;
+
+const ALICE_ADDRESS: &str = "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed";
+
+async fn table_counts(db: &TestDb) -> Vec<i64> {
+    let client = db.client().await;
+    let mut counts = Vec::new();
+    for table in ["account", "wallet_address", "asset", "scan_cursor", "chain_block", "deposit_event"] {
+        counts.push(client.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0));
+    }
+    counts
+}
+
+#[tokio::test]
+async fn an_operator_assigns_an_address_scans_and_lists_the_deposit() {
+    let db = TestDb::new().await;
+    let anvil = Anvil::spawn().await.unwrap();
+    let url = db.url.expose();
+
+    let created = custodian(url, &["account", "create", "--ref", "alice", "--json"]);
+    assert_eq!(created.code, 0, "{}", created.stderr);
+    assert_eq!(created.json()["created"], true);
+    let again = custodian(url, &["account", "create", "--ref", "alice", "--json"]);
+    assert_eq!(
+        (again.code, again.json()["created"].clone(), again.json()["id"].clone()),
+        (0, json!(false), created.json()["id"].clone())
+    );
+
+    let assigned = custodian(
+        url,
+        &["address", "assign", "--account", "alice", "--chain", "eth", "--address", ALICE_ADDRESS, "--json"],
+    );
+    assert_eq!(assigned.code, 0, "{}", assigned.stderr);
+    assert_eq!(assigned.json()["address"], ALICE_ADDRESS.to_lowercase());
+
+    anvil
+        .rpc("eth_sendTransaction", json!([{"from": "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266", "to": ALICE_ADDRESS, "value": "0x1bc16d674ec80000"}]))
+        .await
+        .unwrap();
+    anvil.rpc("anvil_mine", json!(["0x4"])).await.unwrap();
+
+    let scanned = custodian(url, &["scan", "--chain", "eth", "--once", "--eth-rpc", &anvil.url, "--json"]);
+    assert_eq!(scanned.code, 0, "{}", scanned.stderr);
+    assert_eq!(scanned.json()["report"]["deposits"], 1);
+    assert_eq!(scanned.json()["report"]["our_tip"], 5);
+
+    let listed = custodian(url, &["deposits", "--account", "alice", "--json"]);
+    assert_eq!(listed.code, 0, "{}", listed.stderr);
+    let deposits = listed.json();
+    assert_eq!(deposits.as_array().map(Vec::len), Some(1), "{deposits}");
+    let deposit = &deposits[0];
+    assert_eq!(deposit["amount"], "2000000000000000000");
+    assert_eq!(deposit["amount_display"], "2");
+    assert_eq!(deposit["height"], 1);
+    assert_eq!(deposit["confirmations"], 5);
+    assert_eq!(deposit["required_confirmations"], 32, "2 ETH falls in the 1 to 100 ETH tier");
+    assert_eq!(deposit["orphaned"], false);
+    assert_eq!(deposit["account_ref"], "alice");
+    let text = custodian(url, &["deposits"]);
+    assert!(text.stdout.contains("pending 5/32"), "{}", text.stdout);
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let url = db.url.expose();
+    assert_eq!(custodian(url, &["account", "create", "--ref", "bob"]).code, 0);
+    assert_eq!(
+        custodian(
+            url,
+            &["token", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "6"]
+        )
+        .code,
+        0
+    );
+    let before = table_counts(&db).await;
+
+    let cases: &[(&[&str], &str)] = &[
+        (&["scan", "--chain", "sol", "--once"], "unknown chain"),
+        (&["rewind", "--chain", "eth", "--to-height", "-1"], "unexpected argument"),
+        (&["rewind", "--chain", "eth", "--to-height", "5"], "never been scanned"),
+        (
+            &[
+                "address",
+                "assign",
+                "--account",
+                "bob",
+                "--chain",
+                "eth",
+                "--address",
+                "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAeD",
+            ],
+            "checksum",
+        ),
+        (&["address", "assign", "--account", "bob", "--chain", "eth", "--address", "0x1234"], "40 hexadecimal digits"),
+        (
+            &[
+                "address",
+                "assign",
+                "--account",
+                "bob",
+                "--chain",
+                "btc",
+                "--address",
+                "bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq",
+                "--btc-network",
+                "regtest",
+            ],
+            "not a regtest address",
+        ),
+        (
+            &["address", "assign", "--account", "nobody", "--chain", "eth", "--address", ALICE_ADDRESS],
+            "unknown account",
+        ),
+        (&["deposits", "--account", "nobody"], "unknown account"),
+        (
+            &["token", "add", "--chain", "btc", "--contract", ALICE_ADDRESS, "--symbol", "X", "--decimals", "6"],
+            "only on eth",
+        ),
+        (
+            &["token", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "8"],
+            "already registered",
+        ),
+        (&["reparse", "--chain", "eth", "--from-height", "0"], "holds no block"),
+        (&["scan", "--chain", "eth", "--once"], "no Ethereum node"),
+    ];
+    for (args, message) in cases {
+        let run = custodian(url, args);
+        assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
+        assert_eq!(table_counts(&db).await, before, "{args:?} wrote something");
+    }
+}
+
+#[tokio::test]
+async fn rewind_refuses_a_height_above_the_cursor() {
+    let db = TestDb::new().await;
+    let anvil = Anvil::spawn().await.unwrap();
+    anvil.rpc("anvil_mine", json!(["0x3"])).await.unwrap();
+    let url = db.url.expose();
+    assert_eq!(custodian(url, &["scan", "--chain", "eth", "--once", "--eth-rpc", &anvil.url]).code, 0);
+    let above = custodian(url, &["rewind", "--chain", "eth", "--to-height", "10"]);
+    assert_eq!(above.code, 2, "{}", above.stderr);
+    assert!(above.stderr.contains("the cursor is at 4 (our tip is 3)"), "{}", above.stderr);
+    let back = custodian(url, &["rewind", "--chain", "eth", "--to-height", "1", "--json"]);
+    assert_eq!(back.code, 0, "{}", back.stderr);
+    assert_eq!(back.json(), json!({"chain": "eth", "previous_next_height": 4, "next_height": 1}));
+}
