@@ -2,9 +2,11 @@
 //! an anvil launcher. Never a dependency of production code.
 
 pub mod anvil;
+pub mod btcsim;
 pub mod db;
 
 pub use anvil::Anvil;
+pub use btcsim::BitcoinSim;
 pub use db::TestDb;
 
 /// Polls `check` until it returns `Some`, or panics with `what` after `deadline`.
