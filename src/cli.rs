@@ -90,6 +90,35 @@ pub enum Command {
         #[arg(long)]
         from_height: u64,
     },
+    /// Value-dependent confirmation policy.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+    /// Post every confirmed deposit not yet posted (also runs after every scan step).
+    Post,
+    /// Reversal proposals for posted deposits that a deep reorg took away.
+    #[command(subcommand)]
+    Reversals(ReversalsCommand),
+    /// Balances per account and asset: confirmed, pending, held, available.
+    Balances {
+        /// Only this account (reference or id).
+        #[arg(long)]
+        account: Option<String>,
+    },
+    /// Rebuild every projection from the appended facts and compare (exit 3 on any difference).
+    Replay {
+        /// Compare the rebuilt projections with the live ones and check the invariants.
+        #[arg(long)]
+        verify: bool,
+    },
+    /// Print the history of appended facts in order, as an auditor reads it.
+    Events {
+        /// Continue after this position (from the beginning when absent).
+        #[arg(long = "from")]
+        from: Option<i64>,
+        /// At most this many facts.
+        #[arg(long, default_value_t = 1000)]
+        limit: i64,
+    },
     /// List deposit observations with their block, confirmations and whether orphaned.
     Deposits {
         /// Only this account (reference or id).
@@ -98,6 +127,54 @@ pub enum Command {
         /// Only this chain.
         #[arg(long)]
         chain: Option<Chain>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Set the confirmations required from an amount up (replaces the tier at that amount).
+    Set {
+        /// eth or btc.
+        #[arg(long)]
+        chain: Chain,
+        /// Asset symbol or key (ETH, BTC, a token symbol, eth:0x…).
+        #[arg(long)]
+        asset: String,
+        /// The smallest amount of the tier, in whole units ("0.1").
+        #[arg(long)]
+        min_amount: String,
+        /// Confirmations required.
+        #[arg(long)]
+        confirmations: u32,
+    },
+    /// Show every tier.
+    Show,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReversalsCommand {
+    /// List proposals and decisions.
+    List,
+    /// Approve a proposal: posts the compensating transfer.
+    Approve {
+        /// Proposal id.
+        #[arg(long)]
+        id: i64,
+        /// Who approves.
+        #[arg(long)]
+        by: String,
+    },
+    /// Reject a proposal: nothing is debited.
+    Reject {
+        /// Proposal id.
+        #[arg(long)]
+        id: i64,
+        /// Who rejects.
+        #[arg(long)]
+        by: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
     },
 }
 

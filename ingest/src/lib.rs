@@ -19,4 +19,4 @@ pub mod sql;
 
 pub use block::{FetchedBlock, Transfer, TransferAsset};
 pub use reader::{ChainReader, ReadError};
-pub use scanner::{NoProgress, Progress, ScanConfig, ScanError, ScanReport, Scanner};
+pub use scanner::{AfterStep, NoProgress, Progress, ScanConfig, ScanError, ScanReport, Scanner};

@@ -127,11 +127,19 @@ impl Progress for NoProgress {
     fn batch_done(&self, _: Chain, _: u64, _: u64, _: &ScanReport, _: Duration) {}
 }
 
+/// Work the binary wires in after every stored batch or reorg (posting confirmed deposits), so
+/// this crate need not know about the ledger.
+pub trait AfterStep: Send + Sync {
+    /// Runs after a step changed what we hold for `chain`.
+    fn after_step(&self, chain: Chain) -> futures::future::BoxFuture<'_, ()>;
+}
+
 /// Scans one chain into the database.
 pub struct Scanner<R> {
     reader: R,
     pool: Pool,
     config: ScanConfig,
+    after_step: Option<std::sync::Arc<dyn AfterStep>>,
 }
 
 enum Step {
@@ -142,7 +150,19 @@ enum Step {
 impl<R: ChainReader> Scanner<R> {
     /// A scanner reading from `reader` into `pool`.
     pub fn new(reader: R, pool: Pool, config: ScanConfig) -> Self {
-        Scanner { reader, pool, config }
+        Scanner { reader, pool, config, after_step: None }
+    }
+
+    /// Runs `hook` after every step that stored blocks or handled a reorg.
+    pub fn with_after_step(mut self, hook: std::sync::Arc<dyn AfterStep>) -> Self {
+        self.after_step = Some(hook);
+        self
+    }
+
+    async fn stepped(&self) {
+        if let Some(hook) = &self.after_step {
+            hook.after_step(self.chain()).await;
+        }
     }
 
     /// The chain scanned.
@@ -256,11 +276,13 @@ impl<R: ChainReader> Scanner<R> {
                 metrics::counter!("custodian_deposits_observed_total", "chain" => chain.as_str())
                     .increment(outcome.deposits_inserted);
                 progress.batch_done(chain, height, node_tip, report, started.elapsed());
+                self.stepped().await;
                 Ok(Step::Stored)
             }
             Err(IngestError::ParentMismatch { height, .. }) => {
                 drop(client);
                 self.reconcile(height, report, budget).await?;
+                self.stepped().await;
                 Ok(Step::Stored)
             }
             Err(IngestError::CursorMoved { expected, found, .. }) => {
@@ -286,6 +308,7 @@ impl<R: ChainReader> Scanner<R> {
         match theirs {
             Some(theirs) if theirs != ours => {
                 self.reconcile(our_tip, report, budget).await?;
+                self.stepped().await;
                 Ok(Step::Stored)
             }
             _ => Ok(Step::CaughtUp),

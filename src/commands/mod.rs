@@ -1,14 +1,16 @@
 //! One module per command; each builds what it needs from [`Settings`] and returns an [`Exit`].
 
 mod account;
+mod audit;
 mod deposits;
+mod ledger;
 mod migrate;
 mod scan;
 mod status;
 
 use anyhow::{Context, Result};
 
-use crate::cli::{AccountCommand, AddressCommand, Cli, Command, TokenCommand};
+use crate::cli::{AccountCommand, AddressCommand, Cli, Command, PolicyCommand, ReversalsCommand, TokenCommand};
 use crate::exit::Exit;
 use crate::settings::Settings;
 
@@ -29,6 +31,21 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Rewind { chain, to_height } => scan::rewind(&settings, chain, to_height).await,
         Command::Reparse { chain, from_height } => scan::reparse(&settings, chain, from_height).await,
         Command::Deposits { account, chain } => deposits::list(&settings, account.as_deref(), chain).await,
+        Command::Policy(PolicyCommand::Set { chain, asset, min_amount, confirmations }) => {
+            ledger::policy_set(&settings, chain, &asset, &min_amount, confirmations).await
+        }
+        Command::Policy(PolicyCommand::Show) => ledger::policy_show(&settings).await,
+        Command::Post => ledger::post(&settings).await,
+        Command::Reversals(ReversalsCommand::List) => ledger::reversals_list(&settings).await,
+        Command::Reversals(ReversalsCommand::Approve { id, by }) => {
+            ledger::decide(&settings, id, true, &by, None).await
+        }
+        Command::Reversals(ReversalsCommand::Reject { id, by, reason }) => {
+            ledger::decide(&settings, id, false, &by, Some(&reason)).await
+        }
+        Command::Balances { account } => ledger::balances(&settings, account.as_deref()).await,
+        Command::Replay { verify } => audit::replay(&settings, verify).await,
+        Command::Events { from, limit } => audit::events(&settings, from, limit).await,
     }
 }
 

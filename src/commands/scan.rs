@@ -9,7 +9,7 @@ use custodian_domain::Chain;
 use custodian_ingest::btc::BtcReader;
 use custodian_ingest::eth::EthReader;
 use custodian_ingest::sql::{self, RewindError};
-use custodian_ingest::{ChainReader, Progress, ScanConfig, ScanReport, Scanner};
+use custodian_ingest::{AfterStep, ChainReader, Progress, ScanConfig, ScanReport, Scanner};
 use serde_json::json;
 
 use crate::exit::{invalid, Exit};
@@ -70,6 +70,25 @@ impl Progress for ScanProgress {
     }
 }
 
+/// Posts confirmed deposits after every scan step; a failure is logged and retried next step.
+pub struct PostAfterStep(pub custodian_store::Pool);
+
+impl AfterStep for PostAfterStep {
+    fn after_step(&self, chain: Chain) -> futures::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let outcome = match self.0.get().await {
+                Ok(client) => {
+                    custodian_projections::posting::post_chain(&client, chain).await.map_err(|e| e.to_string())
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = outcome {
+                tracing::warn!(%chain, "posting confirmed deposits failed; retried after the next step: {e}");
+            }
+        })
+    }
+}
+
 fn config(settings: &Settings, from_height: Option<u64>) -> ScanConfig {
     ScanConfig {
         retention_blocks: settings.retention_blocks,
@@ -97,7 +116,12 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
                 .as_deref()
                 .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
             let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?;
-            run(settings, Scanner::new(reader, pool, config), once).await
+            run(
+                settings,
+                Scanner::new(reader, pool.clone(), config).with_after_step(std::sync::Arc::new(PostAfterStep(pool))),
+                once,
+            )
+            .await
         }
         Chain::Btc => {
             let url = settings
@@ -106,7 +130,12 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
                 .ok_or_else(|| invalid("no Bitcoin node: set --btc-rpc or CUSTODIAN_BTC_RPC_URL"))?;
             let reader = BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network)
                 .map_err(|e| invalid(e.to_string()))?;
-            run(settings, Scanner::new(reader, pool, config), once).await
+            run(
+                settings,
+                Scanner::new(reader, pool.clone(), config).with_after_step(std::sync::Arc::new(PostAfterStep(pool))),
+                once,
+            )
+            .await
         }
     }
 }

@@ -3,3 +3,5 @@
 mod cli;
 mod deposits;
 mod harness;
+mod ledger;
+mod properties;

@@ -1,0 +1,176 @@
+//! Reviewed reversals: automation proposes, a named person decides, nothing is debited without.
+//!
+//! Approval posts the compensating transfer (debit the credited user, credit `custody`) and the
+//! decision in one transaction; the decision row is append-only and unique per proposal, so a
+//! second approval finds the first and changes nothing.
+
+use alloy_primitives::U256;
+use custodian_domain::Amount;
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+
+/// A proposal with its decision, if any.
+#[derive(Debug, Clone, Serialize)]
+pub struct Proposal {
+    /// Proposal id.
+    pub id: i64,
+    /// The deposit key.
+    pub deposit_key: String,
+    /// The deposit transfer that would be reversed.
+    pub transfer_id: i64,
+    /// The credited ledger account.
+    pub ledger_account: String,
+    /// Asset key.
+    pub asset: String,
+    /// Amount credited.
+    pub amount: Amount,
+    /// Why it was proposed.
+    pub reason: String,
+    /// When.
+    pub proposed_at: String,
+    /// `approved`, `rejected`, or none yet.
+    pub decision: Option<String>,
+    /// Who decided.
+    pub decided_by: Option<String>,
+    /// Their reason.
+    pub decision_reason: Option<String>,
+    /// The compensating transfer, when approved.
+    pub compensating_transfer_id: Option<i64>,
+    /// The deposit is on the canonical chain again (approving is refused then).
+    pub reappeared: bool,
+}
+
+/// Why a decision was refused. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum DecisionError {
+    /// No such proposal.
+    #[error("no reversal proposal {0}")]
+    Unknown(i64),
+    /// Decided already, the other way.
+    #[error("proposal {id} was already {decision} by {by}")]
+    AlreadyDecided {
+        /// Proposal.
+        id: i64,
+        /// The earlier decision.
+        decision: String,
+        /// Who made it.
+        by: String,
+    },
+    /// The deposit is canonical again: nothing to take back.
+    #[error("the deposit of proposal {0} is on the canonical chain again; reject the proposal instead")]
+    Reappeared(i64),
+    /// A name is required.
+    #[error("a decision needs the name of the person making it (--by)")]
+    Anonymous,
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+const LIST: &str = "
+select r.id, r.deposit_key, r.transfer_id, p.ledger_account, p.asset, p.amount, r.reason, r.proposed_at::text,
+       d.decision, d.decided_by, d.reason, d.compensating_transfer_id,
+       exists (select 1 from deposit_event e join chain_block b on b.chain = e.chain and b.block_hash = e.block_hash
+                where b.orphaned_at is null
+                  and 'deposit:' || e.chain || ':' || e.tx_hash || ':' || e.output_index = r.deposit_key)
+  from reversal_proposal r
+  join ledger_posting p on p.transfer_id = r.transfer_id and p.direction = 'credit'
+  left join reversal_decision d on d.proposal_id = r.id
+ where ($1::bigint is null or r.id = $1)
+ order by r.id";
+
+fn proposal(r: &tokio_postgres::Row) -> Proposal {
+    Proposal {
+        id: r.get(0),
+        deposit_key: r.get(1),
+        transfer_id: r.get(2),
+        ledger_account: r.get(3),
+        asset: r.get(4),
+        amount: Amount::from_units(r.get::<_, U256>(5)),
+        reason: r.get(6),
+        proposed_at: r.get(7),
+        decision: r.get(8),
+        decided_by: r.get(9),
+        decision_reason: r.get(10),
+        compensating_transfer_id: r.get(11),
+        reappeared: r.get(12),
+    }
+}
+
+/// Every proposal with its decision.
+pub async fn list<C: GenericClient>(client: &C) -> Result<Vec<Proposal>, tokio_postgres::Error> {
+    Ok(client.query(LIST, &[&None::<i64>]).await?.iter().map(proposal).collect())
+}
+
+/// One proposal.
+pub async fn get<C: GenericClient>(client: &C, id: i64) -> Result<Option<Proposal>, tokio_postgres::Error> {
+    Ok(client.query_opt(LIST, &[&Some(id)]).await?.as_ref().map(proposal))
+}
+
+/// Records a decision. Approving posts the compensating transfer in the same transaction.
+/// Repeating the same decision returns the recorded one and writes nothing.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub async fn decide(
+    client: &mut deadpool_postgres::Object,
+    id: i64,
+    approve: bool,
+    by: &str,
+    reason: Option<&str>,
+) -> Result<(Proposal, bool), DecisionError> {
+    let by = by.trim();
+    if by.is_empty() {
+        return Err(DecisionError::Anonymous);
+    }
+    let tx = client.transaction().await?;
+    // The proposal row is never updated; locking it serialises deciders.
+    if tx.query_opt("select 1 from reversal_proposal where id = $1 for update", &[&id]).await?.is_none() {
+        return Err(DecisionError::Unknown(id));
+    }
+    let current = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);
+    let wanted = if approve { "approved" } else { "rejected" };
+    if let Some(decision) = &current.decision {
+        if decision == wanted {
+            return Ok((current, false));
+        }
+        return Err(DecisionError::AlreadyDecided {
+            id,
+            decision: decision.clone(),
+            by: current.decided_by.unwrap_or_default(),
+        });
+    }
+    let compensating: Option<i64> = if approve {
+        if current.reappeared {
+            return Err(DecisionError::Reappeared(id));
+        }
+        let transfer: i64 = tx
+            .query_one(
+                "insert into ledger_transfer (idempotency_key, kind, reference)
+                 values ('reversal:' || $1, 'reversal', jsonb_build_object('proposal_id', $2::bigint, 'deposit_key', $1::text,
+                         'reversed_transfer_id', $3::bigint, 'approved_by', $4::text))
+                 returning id",
+                &[&current.deposit_key, &id, &current.transfer_id, &by],
+            )
+            .await?
+            .get(0);
+        tx.execute(
+            "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+             values ($1, $2, $3, 'debit', $4), ($1, 'custody', $3, 'credit', $4)",
+            &[&transfer, &current.ledger_account, &current.asset, &current.amount.units()],
+        )
+        .await?;
+        Some(transfer)
+    } else {
+        None
+    };
+    tx.execute(
+        "insert into reversal_decision (proposal_id, decision, decided_by, reason, compensating_transfer_id)
+         values ($1, $2, $3, $4, $5)",
+        &[&id, &wanted, &by, &reason, &compensating],
+    )
+    .await?;
+    let decided = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);
+    tx.commit().await?;
+    Ok((decided, true))
+}

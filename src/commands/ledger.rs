@@ -1,0 +1,161 @@
+//! `custodian policy`, `post`, `reversals`, `balances`.
+
+use anyhow::{Context, Result};
+use custodian_domain::{Amount, Chain};
+use custodian_projections::reversals::DecisionError;
+use custodian_projections::{balances, policy, posting, reversals};
+use custodian_store::ownership;
+use serde_json::json;
+
+use crate::exit::{invalid, Exit};
+use crate::settings::Settings;
+
+/// Resolves a symbol or key of `chain` to (asset key, decimals).
+async fn resolve_asset(client: &deadpool_postgres::Object, chain: Chain, asset: &str) -> Result<(String, u8)> {
+    let row = client
+        .query_opt(
+            "select asset, decimals from asset where chain = $1 and (asset = $2 or upper(symbol) = upper($2))",
+            &[&chain.as_str(), &asset],
+        )
+        .await?
+        .ok_or_else(|| invalid(format!("unknown asset {asset:?} on {chain}")))?;
+    Ok((row.get(0), u8::try_from(row.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77")))
+}
+
+pub async fn policy_set(
+    settings: &Settings,
+    chain: Chain,
+    asset: &str,
+    min_amount: &str,
+    confirmations: u32,
+) -> Result<Exit> {
+    if i32::try_from(confirmations).is_err() {
+        return Err(invalid("--confirmations is too large"));
+    }
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    let (asset, decimals) = resolve_asset(&client, chain, asset).await?;
+    let min = Amount::parse_decimal(min_amount, decimals).map_err(|e| invalid(format!("--min-amount: {e}")))?;
+    policy::set_tier(&client, chain, &asset, min, confirmations).await.context("setting the tier")?;
+    if settings.json {
+        super::print_json(
+            &json!({ "chain": chain, "asset": asset, "min_amount": min, "confirmations": confirmations }),
+        )?;
+    } else {
+        println!("{chain} {asset}: from {} on, {confirmations} confirmations", min.to_decimal_string(decimals));
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn policy_show(settings: &Settings) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let tiers = policy::tiers(&pool.get().await?).await?;
+    if settings.json {
+        return super::print_json(&tiers).map(|()| Exit::Success);
+    }
+    for t in &tiers {
+        println!("{:<4} {:<8} >= {:<24} {} confirmations", t.chain, t.symbol, t.min_amount_display, t.confirmations);
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn post(settings: &Settings) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let report = posting::post_all(&pool.get().await?).await.context("posting confirmed deposits")?;
+    if settings.json {
+        super::print_json(&report)?;
+    } else {
+        println!(
+            "posted {} deposits; {} reversal proposals created; {} mismatches",
+            report.posted,
+            report.reversals_proposed,
+            report.mismatches.len()
+        );
+        for m in &report.mismatches {
+            println!("ALERT {}: block {} says {}, posted {}", m.key, m.block_hash, m.observed, m.posted);
+        }
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn reversals_list(settings: &Settings) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let proposals = reversals::list(&pool.get().await?).await?;
+    if settings.json {
+        return super::print_json(&proposals).map(|()| Exit::Success);
+    }
+    if proposals.is_empty() {
+        println!("no reversal proposals");
+    }
+    for p in &proposals {
+        let decision = match (&p.decision, &p.decided_by) {
+            (Some(d), Some(by)) => format!("{d} by {by}"),
+            _ if p.reappeared => "awaiting review (the deposit reappeared: reject)".to_owned(),
+            _ => "awaiting review".to_owned(),
+        };
+        println!("#{} {} {} {} from {}: {}", p.id, p.deposit_key, p.amount, p.asset, p.ledger_account, decision);
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn decide(settings: &Settings, id: i64, approve: bool, by: &str, reason: Option<&str>) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let (proposal, recorded) = match reversals::decide(&mut client, id, approve, by, reason).await {
+        Ok(outcome) => outcome,
+        Err(DecisionError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the decision")),
+        Err(refusal) => return Err(invalid(refusal.to_string())),
+    };
+    if settings.json {
+        super::print_json(&json!({ "proposal": proposal, "recorded_now": recorded }))?;
+    } else if recorded {
+        println!("proposal #{id} {} by {by}", proposal.decision.as_deref().unwrap_or("decided"));
+    } else {
+        println!(
+            "proposal #{id} was already {} by {}; nothing changed",
+            proposal.decision.unwrap_or_default(),
+            proposal.decided_by.unwrap_or_default()
+        );
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn balances(settings: &Settings, account: Option<&str>) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    let accounts = match account {
+        Some(key) => {
+            let a = ownership::find_account(&client, key).await.map_err(|e| invalid(e.to_string()))?;
+            vec![(a.id, a.external_ref)]
+        }
+        None => balances::accounts(&client).await?,
+    };
+    let mut all = Vec::new();
+    for (id, external_ref) in &accounts {
+        all.extend(balances::for_account(&client, *id, external_ref).await?);
+    }
+    if settings.json {
+        return super::print_json(&all).map(|()| Exit::Success);
+    }
+    println!(
+        "{:<16} {:<8} {:>22} {:>22} {:>22} {:>22}",
+        "account", "asset", "confirmed", "pending", "held", "available"
+    );
+    for b in &all {
+        println!(
+            "{:<16} {:<8} {:>22} {:>22} {:>22} {:>22}",
+            b.account_ref, b.symbol, b.display.confirmed, b.display.pending, b.display.held, b.display.available
+        );
+        for p in &b.pending_deposits {
+            println!(
+                "{:<25} pending {}:{} {}/{} confirmations",
+                "",
+                p.tx_hash,
+                p.output_index,
+                p.confirmations,
+                p.required_confirmations.unwrap_or(0)
+            );
+        }
+    }
+    Ok(Exit::Success)
+}
