@@ -1,0 +1,120 @@
+//! Ledger projections at scale, each figure beside a ceiling measured in the same run.
+//!
+//! 1,000,000 deposit events over 100,000 addresses and 20,000 accounts (5 addresses each, 10
+//! deposits per address, 100 per block): one account's balance query p50 and p99, a full posting
+//! pass, and `replay --verify` throughput in facts/s beside a plain sequential read of the same
+//! tables over the same connection. `LEDGER_DEPOSITS` shrinks the run.
+
+use std::time::{Duration, Instant};
+
+use custodian_domain::Chain;
+use custodian_projections::{balances, posting, replay};
+use custodian_testkit::TestDb;
+use futures::{pin_mut, TryStreamExt};
+
+const ACCOUNTS: i64 = 20_000;
+const ADDRESSES_PER_ACCOUNT: i64 = 5;
+const DEPOSITS_PER_BLOCK: i64 = 100;
+const BALANCE_SAMPLES: usize = 2_000;
+
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+fn per_second(count: u64, elapsed: Duration) -> u64 {
+    (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
+}
+
+async fn prepare(db: &TestDb, deposits: i64) {
+    let addresses = ACCOUNTS * ADDRESSES_PER_ACCOUNT;
+    let blocks = deposits / DEPOSITS_PER_BLOCK;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "insert into account (external_ref) select 'acct-' || i from generate_series(1, {ACCOUNTS}) i;
+             insert into wallet_address (chain, address, account_id)
+             select 'eth', '0x' || lpad(to_hex(i), 40, '0'), (i - 1) % {ACCOUNTS} + 1 from generate_series(1, {addresses}) i;
+             insert into chain_block (chain, height, block_hash, parent_hash)
+             select 'eth', h, '0x' || lpad(to_hex(h), 64, '0'), '0x' || lpad(to_hex(greatest(h - 1, 0)), 64, '0')
+               from generate_series(0, {last_block}) h;
+             insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
+             select 'eth', '0x' || lpad(to_hex(n / {DEPOSITS_PER_BLOCK}), 64, '0'), '0xab' || lpad(to_hex(n), 62, '0'), 0,
+                    '0x' || lpad(to_hex(n % {addresses} + 1), 40, '0'), 'ETH', 1000000000000000 + n
+               from generate_series(0, {last_deposit}) n;
+             analyze;",
+            last_block = blocks + 64,
+            last_deposit = deposits - 1,
+        ))
+        .await
+        .unwrap();
+}
+
+async fn sequential_read(db: &TestDb) -> (u64, Duration) {
+    let client = db.pool.get().await.unwrap();
+    let started = Instant::now();
+    let mut rows = 0u64;
+    for table in
+        ["withdrawal_event", "ledger_posting", "chain_block", "deposit_event", "ledger_transfer", "reversal_decision"]
+    {
+        let stream = client.query_raw(&format!("select * from {table}"), &[] as &[&str; 0]).await.unwrap();
+        pin_mut!(stream);
+        while stream.try_next().await.unwrap().is_some() {
+            rows += 1;
+        }
+    }
+    (rows, started.elapsed())
+}
+
+#[tokio::main]
+async fn main() {
+    let deposits: i64 = std::env::var("LEDGER_DEPOSITS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+    println!("ledger: {deposits} deposit events, {} addresses, {ACCOUNTS} accounts", ACCOUNTS * ADDRESSES_PER_ACCOUNT);
+    let db = TestDb::new().await;
+    let started = Instant::now();
+    prepare(&db, deposits).await;
+    println!("  prepared in {:.1?}", started.elapsed());
+
+    let client = db.pool.get().await.unwrap();
+    let started = Instant::now();
+    let report = posting::post_chain(&client, Chain::Eth).await.unwrap();
+    let post_time = started.elapsed();
+    println!(
+        "  full posting pass: {} transfers ({} postings) in {post_time:.2?} = {} deposits/s",
+        report.posted,
+        report.posted * 2,
+        per_second(report.posted, post_time)
+    );
+    assert_eq!(report.posted as i64, deposits, "every deposit is confirmed and attributed");
+    client.batch_execute("analyze").await.unwrap();
+
+    let mut samples = Vec::with_capacity(BALANCE_SAMPLES);
+    for i in 0..BALANCE_SAMPLES {
+        let account = (i as i64 * 7919) % ACCOUNTS + 1;
+        let started = Instant::now();
+        let rows = balances::for_account(&client, account, "bench").await.unwrap();
+        samples.push(started.elapsed());
+        assert_eq!(rows.len(), 1);
+    }
+    samples.sort();
+    println!(
+        "  one account's balance: p50 {:.2?}, p99 {:.2?} over {BALANCE_SAMPLES} queries (target p99 < 5ms)",
+        percentile(&samples, 50),
+        percentile(&samples, 99)
+    );
+
+    let (scan_rows, scan_time) = sequential_read(&db).await;
+    let scan_rate = per_second(scan_rows, scan_time);
+    let mut client = db.pool.get().await.unwrap();
+    let started = Instant::now();
+    let verified = replay::verify(&mut client).await.unwrap();
+    let replay_time = started.elapsed();
+    assert!(verified.verified(), "{:?}", verified.differences.first());
+    let replay_rate = per_second(verified.facts_read, replay_time);
+    println!("  sequential read (ceiling): {scan_rows} rows in {scan_time:.2?} = {scan_rate} rows/s");
+    println!("  replay --verify:           {} facts in {replay_time:.2?} = {replay_rate} facts/s", verified.facts_read);
+    println!(
+        "  ratio: {}.{:02} of the sequential read (target >= 0.25)",
+        replay_rate * 100 / scan_rate / 100,
+        replay_rate * 100 / scan_rate % 100
+    );
+}
