@@ -119,6 +119,68 @@ pub enum Command {
         #[arg(long, default_value_t = 1000)]
         limit: i64,
     },
+    /// Hot wallets (withdrawal lanes).
+    #[command(subcommand, name = "hot-wallet")]
+    HotWallet(HotWalletCommand),
+    /// Request a withdrawal (idempotent per account and --external-id).
+    Withdraw {
+        /// Account reference or id.
+        #[arg(long)]
+        account: String,
+        /// Asset symbol or key (ETH, a token symbol, eth:0x…).
+        #[arg(long)]
+        asset: String,
+        /// Destination address (EIP-55 checksummed or all lowercase).
+        #[arg(long)]
+        to: String,
+        /// Amount in whole units ("1.5").
+        #[arg(long)]
+        amount: String,
+        /// The client's idempotency key.
+        #[arg(long)]
+        external_id: String,
+    },
+    /// List withdrawals with every attempt, or approve one.
+    Withdrawals {
+        #[command(subcommand)]
+        action: Option<WithdrawalsCommand>,
+        /// Only this withdrawal.
+        #[arg(long)]
+        id: Option<i64>,
+        /// Only this state.
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// Cancel a withdrawal (a replacement transaction once signed).
+    Cancel {
+        /// Withdrawal id.
+        #[arg(long)]
+        id: i64,
+        /// Who cancels.
+        #[arg(long, default_value = "operator")]
+        by: String,
+    },
+    /// Run the withdrawal worker: approve-check, allocate, broadcast, bump, settle.
+    Work {
+        /// One pass, then exit.
+        #[arg(long)]
+        once: bool,
+        /// LANE=PATH of a hot-wallet key file (also CUSTODIAN_HOT_KEY_<LANE> / CUSTODIAN_HOT_KEY_FILE_<LANE>).
+        #[arg(long = "key-file")]
+        key_files: Vec<String>,
+        /// Blocks a withdrawal must be buried under before it is confirmed.
+        #[arg(long, env = "CUSTODIAN_WITHDRAWAL_CONFIRMATIONS", default_value_t = 12)]
+        confirmations: u64,
+        /// Blocks an attempt may stay unmined before a fee bump.
+        #[arg(long, env = "CUSTODIAN_BUMP_AFTER_BLOCKS", default_value_t = 3)]
+        bump_after_blocks: u64,
+        /// The most any attempt pays per gas, in gwei.
+        #[arg(long, env = "CUSTODIAN_MAX_FEE_GWEI", default_value_t = 500)]
+        max_fee_gwei: u64,
+        /// Milliseconds between passes when running continuously.
+        #[arg(long, default_value_t = 1000)]
+        interval_ms: u64,
+    },
     /// List deposit observations with their block, confirmations and whether orphaned.
     Deposits {
         /// Only this account (reference or id).
@@ -149,6 +211,61 @@ pub enum PolicyCommand {
     },
     /// Show every tier.
     Show,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HotWalletCommand {
+    /// Register a hot wallet from its key file (readable by its owner only).
+    Add {
+        /// Only eth.
+        #[arg(long)]
+        chain: Chain,
+        /// File holding the hex private key.
+        #[arg(long)]
+        key_file: std::path::PathBuf,
+        /// Lane name (default: lane<N>).
+        #[arg(long)]
+        lane: Option<String>,
+    },
+    /// Stop automation on a lane.
+    Pause {
+        /// Lane.
+        #[arg(long)]
+        lane: String,
+        /// Why.
+        #[arg(long, default_value = "paused by an operator")]
+        reason: String,
+    },
+    /// Resume a paused lane.
+    Resume {
+        /// Lane.
+        #[arg(long)]
+        lane: String,
+    },
+    /// List lanes.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WithdrawalsCommand {
+    /// Approve a withdrawal above the approval limit.
+    Approve {
+        /// Withdrawal id.
+        #[arg(long)]
+        id: i64,
+        /// Who approves.
+        #[arg(long)]
+        by: String,
+    },
+    /// Set the per-asset approval limit (whole units; "none" removes it).
+    Limit {
+        /// Asset symbol or key.
+        #[arg(long)]
+        asset: String,
+        /// Amount in whole units, or "none".
+        #[arg(long)]
+        amount: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]

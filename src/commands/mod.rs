@@ -7,10 +7,14 @@ mod ledger;
 mod migrate;
 mod scan;
 mod status;
+mod withdraw;
 
 use anyhow::{Context, Result};
 
-use crate::cli::{AccountCommand, AddressCommand, Cli, Command, PolicyCommand, ReversalsCommand, TokenCommand};
+use crate::cli::{
+    AccountCommand, AddressCommand, Cli, Command, HotWalletCommand, PolicyCommand, ReversalsCommand, TokenCommand,
+    WithdrawalsCommand,
+};
 use crate::exit::Exit;
 use crate::settings::Settings;
 
@@ -46,6 +50,35 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Balances { account } => ledger::balances(&settings, account.as_deref()).await,
         Command::Replay { verify } => audit::replay(&settings, verify).await,
         Command::Events { from, limit } => audit::events(&settings, from, limit).await,
+        Command::HotWallet(HotWalletCommand::Add { chain, key_file, lane }) => {
+            withdraw::hot_wallet_add(&settings, chain, &key_file, lane.as_deref()).await
+        }
+        Command::HotWallet(HotWalletCommand::Pause { lane, reason }) => {
+            withdraw::pause(&settings, &lane, Some(&reason)).await
+        }
+        Command::HotWallet(HotWalletCommand::Resume { lane }) => withdraw::pause(&settings, &lane, None).await,
+        Command::HotWallet(HotWalletCommand::List) => withdraw::lanes(&settings).await,
+        Command::Withdraw { account, asset, to, amount, external_id } => {
+            withdraw::request(&settings, &account, &asset, &to, &amount, &external_id).await
+        }
+        Command::Withdrawals { action: Some(WithdrawalsCommand::Approve { id, by }), .. } => {
+            withdraw::approve(&settings, id, &by).await
+        }
+        Command::Withdrawals { action: Some(WithdrawalsCommand::Limit { asset, amount }), .. } => {
+            withdraw::limit(&settings, &asset, &amount).await
+        }
+        Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
+        Command::Cancel { id, by } => withdraw::cancel(&settings, id, &by).await,
+        Command::Work { once, key_files, confirmations, bump_after_blocks, max_fee_gwei, interval_ms } => {
+            let config = custodian_withdrawals::WorkerConfig {
+                confirmations,
+                bump_after_blocks,
+                max_fee_per_gas_wei: alloy_primitives::U256::from(max_fee_gwei)
+                    * alloy_primitives::U256::from(1_000_000_000u64),
+                ..custodian_withdrawals::WorkerConfig::default()
+            };
+            withdraw::work(&settings, once, &key_files, config, std::time::Duration::from_millis(interval_ms)).await
+        }
     }
 }
 

@@ -5,3 +5,4 @@ mod deposits;
 mod harness;
 mod ledger;
 mod properties;
+mod withdrawals;

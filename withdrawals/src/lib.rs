@@ -1,3 +1,20 @@
-//! Withdrawal requests, nonce allocation and signing, broadcast, fee bumps, settlement, cancel.
+//! Withdrawals: each request becomes exactly one on-chain transaction.
 //!
-//! Filled in by the withdrawals work; see ARCHITECTURE.md for what this crate owns.
+//! The nonce is a database row, allocated in the same transaction that stores the signed payload.
+//! Broadcast happens after commit and resends the same bytes; fee bumps are sibling attempts at
+//! the same nonce; settlement is keyed on `(from_address, nonce)`; cancel is a replacement.
+//! Requests are idempotent per `(account, external_id)`. This crate does not know about deposit
+//! scanning.
+
+pub mod actions;
+pub mod hot_wallet;
+pub mod request;
+pub mod rpc;
+pub mod signer;
+pub mod sql;
+pub mod worker;
+
+pub use request::{Request, RequestError, Requested};
+pub use rpc::EthNode;
+pub use signer::{LocalSigner, Signer};
+pub use worker::{PassReport, Worker, WorkerConfig};

@@ -1,0 +1,450 @@
+//! A withdrawal's life as events, and the fold that turns a stream into its current state.
+//!
+//! States: `requested → signed → broadcast → mined → confirmed`, with `awaiting_approval`,
+//! `rejected` (before any nonce), `cancel_requested`, `cancelled`, `failed_onchain` (mined with
+//! status 0), and `needs_review` (stops automation for the lane). `unmined` (the block was reorged
+//! out) returns to `broadcast`; `bumped` adds an attempt without changing the state.
+
+use serde::{Deserialize, Serialize};
+
+use crate::amount::Amount;
+
+/// One event of a withdrawal's stream. The tag is the stored `event_type`; the rest is the payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event_type", rename_all = "snake_case")]
+pub enum WithdrawalEvent {
+    /// A client asked for it; the hold is posted in the same transaction.
+    Requested {
+        /// The account paying.
+        account_id: i64,
+        /// The client's idempotency key.
+        external_id: String,
+        /// Asset key.
+        asset: String,
+        /// Destination (stored form).
+        destination: String,
+        /// Smallest units.
+        amount: Amount,
+        /// The lane (hot wallet) chosen by hashing the withdrawal id.
+        lane: String,
+    },
+    /// Above the asset's approval limit: waits for a named person.
+    AwaitingApproval {
+        /// The limit it exceeded, smallest units.
+        limit: Amount,
+    },
+    /// Approved by a person.
+    Approved {
+        /// Who approved.
+        by: String,
+    },
+    /// Refused before any nonce was used (a deterministic simulation revert); the hold is released.
+    Rejected {
+        /// Why.
+        reason: String,
+    },
+    /// A nonce was allocated and the transaction signed, in one database transaction.
+    Signed {
+        /// Hot wallet address.
+        from_address: String,
+        /// The nonce.
+        nonce: u64,
+        /// Hash of the signed transaction.
+        tx_hash: String,
+        /// Chain head when signed (bumps count blocks from here).
+        at_block: u64,
+    },
+    /// The node accepted the bytes (or already had them).
+    Broadcast {
+        /// The attempt sent.
+        tx_hash: String,
+    },
+    /// A sibling attempt at the same nonce with higher fees.
+    Bumped {
+        /// The new attempt.
+        tx_hash: String,
+        /// Chain head when signed.
+        at_block: u64,
+    },
+    /// One of our attempts has a receipt.
+    Mined {
+        /// The attempt that mined.
+        tx_hash: String,
+        /// Its block.
+        block_hash: String,
+        /// Its block number.
+        block_number: u64,
+    },
+    /// The block holding the mined attempt was reorged out; the same bytes go out again.
+    Unmined {
+        /// The attempt.
+        tx_hash: String,
+        /// The retracted block.
+        block_hash: String,
+    },
+    /// Mined with status 1 and past the confirmation depth; settled with the real fee.
+    Confirmed {
+        /// The attempt.
+        tx_hash: String,
+        /// Its block.
+        block_hash: String,
+        /// gasUsed × effectiveGasPrice, wei.
+        fee: Amount,
+    },
+    /// Mined with status 0: the fee is paid, the hold released.
+    FailedOnchain {
+        /// The attempt.
+        tx_hash: String,
+        /// Its block.
+        block_hash: String,
+        /// The fee paid, wei.
+        fee: Amount,
+    },
+    /// A cancel was asked for after signing; a replacement will race the original.
+    CancelRequested {
+        /// Who asked.
+        by: String,
+    },
+    /// Cancelled: before signing, or the cancel replacement mined. The hold is released.
+    Cancelled {
+        /// The cancel attempt that mined, if it came to that.
+        tx_hash: Option<String>,
+        /// The fee paid by the cancel, wei (zero before signing).
+        fee: Amount,
+    },
+    /// Something signed with our key that we did not record, or a state we cannot explain.
+    NeedsReview {
+        /// What was found.
+        reason: String,
+    },
+}
+
+impl WithdrawalEvent {
+    /// The stored payload: the event's JSON without its `event_type` tag.
+    pub fn payload(&self) -> serde_json::Value {
+        let mut value = serde_json::to_value(self).expect("BUG: withdrawal events always serialise");
+        value.as_object_mut().expect("BUG: events serialise to objects").remove("event_type");
+        value
+    }
+
+    /// Reads a stored event back from its type and payload.
+    pub fn from_stored(event_type: &str, payload: &serde_json::Value) -> Result<WithdrawalEvent, serde_json::Error> {
+        let mut value = payload.clone();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("event_type".into(), serde_json::Value::String(event_type.to_owned()));
+        }
+        serde_json::from_value(value)
+    }
+
+    /// The stored `event_type`.
+    pub fn event_type(&self) -> &'static str {
+        match self {
+            WithdrawalEvent::Requested { .. } => "requested",
+            WithdrawalEvent::AwaitingApproval { .. } => "awaiting_approval",
+            WithdrawalEvent::Approved { .. } => "approved",
+            WithdrawalEvent::Rejected { .. } => "rejected",
+            WithdrawalEvent::Signed { .. } => "signed",
+            WithdrawalEvent::Broadcast { .. } => "broadcast",
+            WithdrawalEvent::Bumped { .. } => "bumped",
+            WithdrawalEvent::Mined { .. } => "mined",
+            WithdrawalEvent::Unmined { .. } => "unmined",
+            WithdrawalEvent::Confirmed { .. } => "confirmed",
+            WithdrawalEvent::FailedOnchain { .. } => "failed_onchain",
+            WithdrawalEvent::CancelRequested { .. } => "cancel_requested",
+            WithdrawalEvent::Cancelled { .. } => "cancelled",
+            WithdrawalEvent::NeedsReview { .. } => "needs_review",
+        }
+    }
+}
+
+/// Where a withdrawal stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WithdrawalState {
+    /// Waiting for a nonce.
+    Requested,
+    /// Waiting for a person.
+    AwaitingApproval,
+    /// Refused; the hold was released.
+    Rejected,
+    /// Signed, not yet accepted by a node.
+    Signed,
+    /// Accepted by a node, not yet mined.
+    Broadcast,
+    /// Mined, not yet deep enough.
+    Mined,
+    /// Settled.
+    Confirmed,
+    /// Mined with status 0.
+    FailedOnchain,
+    /// A cancel replacement is racing the original.
+    CancelRequested,
+    /// Cancelled.
+    Cancelled,
+    /// Automation stopped; a person must look.
+    NeedsReview,
+}
+
+impl WithdrawalState {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WithdrawalState::Requested => "requested",
+            WithdrawalState::AwaitingApproval => "awaiting_approval",
+            WithdrawalState::Rejected => "rejected",
+            WithdrawalState::Signed => "signed",
+            WithdrawalState::Broadcast => "broadcast",
+            WithdrawalState::Mined => "mined",
+            WithdrawalState::Confirmed => "confirmed",
+            WithdrawalState::FailedOnchain => "failed_onchain",
+            WithdrawalState::CancelRequested => "cancel_requested",
+            WithdrawalState::Cancelled => "cancelled",
+            WithdrawalState::NeedsReview => "needs_review",
+        }
+    }
+
+    /// Whether the withdrawal still holds the customer's funds.
+    pub fn holds_funds(self) -> bool {
+        !matches!(
+            self,
+            WithdrawalState::Rejected
+                | WithdrawalState::Confirmed
+                | WithdrawalState::FailedOnchain
+                | WithdrawalState::Cancelled
+        )
+    }
+}
+
+impl std::str::FromStr for WithdrawalState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "requested" => WithdrawalState::Requested,
+            "awaiting_approval" => WithdrawalState::AwaitingApproval,
+            "rejected" => WithdrawalState::Rejected,
+            "signed" => WithdrawalState::Signed,
+            "broadcast" => WithdrawalState::Broadcast,
+            "mined" => WithdrawalState::Mined,
+            "confirmed" => WithdrawalState::Confirmed,
+            "failed_onchain" => WithdrawalState::FailedOnchain,
+            "cancel_requested" => WithdrawalState::CancelRequested,
+            "cancelled" => WithdrawalState::Cancelled,
+            "needs_review" => WithdrawalState::NeedsReview,
+            other => return Err(format!("unknown withdrawal state {other:?}")),
+        })
+    }
+}
+
+/// The fold of a stream: everything the `withdrawal` projection row holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Withdrawal {
+    /// Id.
+    pub id: i64,
+    /// Account paying.
+    pub account_id: i64,
+    /// Client idempotency key.
+    pub external_id: String,
+    /// Asset key.
+    pub asset: String,
+    /// Destination.
+    pub destination: String,
+    /// Smallest units.
+    pub amount: Amount,
+    /// Current state.
+    pub state: WithdrawalState,
+    /// Lane.
+    pub lane: String,
+    /// Hot wallet, once signed.
+    pub from_address: Option<String>,
+    /// Nonce, once signed.
+    pub nonce: Option<u64>,
+    /// The attempt that matters now: the latest signed, or the one mined.
+    pub tx_hash: Option<String>,
+    /// Block of the mined attempt.
+    pub mined_block_hash: Option<String>,
+    /// Last sequence number applied.
+    pub last_seq: i32,
+    /// State before a cancel was requested.
+    pub state_before_cancel: Option<WithdrawalState>,
+    /// Chain head when the latest attempt was signed (bumps count blocks from here).
+    pub attempt_at_block: Option<u64>,
+}
+
+impl Withdrawal {
+    /// Starts a stream from its first event, which must be `requested`.
+    pub fn start(id: i64, first: &WithdrawalEvent) -> Option<Withdrawal> {
+        let WithdrawalEvent::Requested { account_id, external_id, asset, destination, amount, lane } = first else {
+            return None;
+        };
+        Some(Withdrawal {
+            id,
+            account_id: *account_id,
+            external_id: external_id.clone(),
+            asset: asset.clone(),
+            destination: destination.clone(),
+            amount: *amount,
+            state: WithdrawalState::Requested,
+            lane: lane.clone(),
+            from_address: None,
+            nonce: None,
+            tx_hash: None,
+            mined_block_hash: None,
+            last_seq: 1,
+            state_before_cancel: None,
+            attempt_at_block: None,
+        })
+    }
+
+    /// Applies the next event.
+    pub fn apply(&mut self, event: &WithdrawalEvent) {
+        use WithdrawalEvent as E;
+        use WithdrawalState as S;
+        self.last_seq += 1;
+        match event {
+            E::Requested { .. } => panic!("BUG: withdrawal {} requested twice", self.id),
+            E::AwaitingApproval { .. } => self.state = S::AwaitingApproval,
+            E::Approved { .. } => self.state = S::Requested,
+            E::Rejected { .. } => self.state = S::Rejected,
+            E::Signed { from_address, nonce, tx_hash, at_block } => {
+                self.attempt_at_block = Some(*at_block);
+                self.from_address = Some(from_address.clone());
+                self.nonce = Some(*nonce);
+                self.tx_hash = Some(tx_hash.clone());
+                if self.state != S::CancelRequested {
+                    self.state = S::Signed;
+                }
+            }
+            E::Broadcast { tx_hash } => {
+                self.tx_hash = Some(tx_hash.clone());
+                if self.state == S::Signed {
+                    self.state = S::Broadcast;
+                }
+            }
+            E::Bumped { tx_hash, at_block } => {
+                self.attempt_at_block = Some(*at_block);
+                if self.state != S::CancelRequested {
+                    self.tx_hash = Some(tx_hash.clone());
+                }
+            }
+            E::Mined { tx_hash, block_hash, .. } => {
+                self.tx_hash = Some(tx_hash.clone());
+                self.mined_block_hash = Some(block_hash.clone());
+                self.state = S::Mined;
+            }
+            E::Unmined { .. } => {
+                self.mined_block_hash = None;
+                self.state = S::Broadcast;
+            }
+            E::Confirmed { .. } => self.state = S::Confirmed,
+            E::FailedOnchain { .. } => self.state = S::FailedOnchain,
+            E::CancelRequested { .. } => {
+                self.state_before_cancel = Some(self.state);
+                self.state = S::CancelRequested;
+            }
+            E::Cancelled { tx_hash, .. } => {
+                if let Some(hash) = tx_hash {
+                    self.tx_hash = Some(hash.clone());
+                }
+                self.state = S::Cancelled;
+            }
+            E::NeedsReview { .. } => self.state = S::NeedsReview,
+        }
+    }
+
+    /// Folds a whole stream.
+    pub fn fold(id: i64, events: &[WithdrawalEvent]) -> Option<Withdrawal> {
+        let (first, rest) = events.split_first()?;
+        let mut withdrawal = Withdrawal::start(id, first)?;
+        for event in rest {
+            withdrawal.apply(event);
+        }
+        Some(withdrawal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn requested() -> WithdrawalEvent {
+        WithdrawalEvent::Requested {
+            account_id: 1,
+            external_id: "e-1".into(),
+            asset: "ETH".into(),
+            destination: "0x01".into(),
+            amount: Amount::from_u64(5),
+            lane: "a".into(),
+        }
+    }
+
+    #[test]
+    fn events_round_trip_as_tagged_json() {
+        let event =
+            WithdrawalEvent::Signed { from_address: "0xab".into(), nonce: 7, tx_hash: "0x01".into(), at_block: 3 };
+        let json = serde_json::to_value(&event).expect("serialise");
+        assert_eq!(json["event_type"], "signed");
+        assert_eq!(json["nonce"], 7);
+        assert_eq!(serde_json::from_value::<WithdrawalEvent>(json).expect("deserialise"), event);
+        let amount = serde_json::to_value(requested()).expect("serialise");
+        assert_eq!(amount["amount"], "5", "amounts travel as decimal strings");
+    }
+
+    #[test]
+    fn the_fold_follows_the_life_of_a_withdrawal() {
+        use WithdrawalEvent as E;
+        use WithdrawalState as S;
+        let signed = E::Signed { from_address: "0xab".into(), nonce: 0, tx_hash: "0x01".into(), at_block: 1 };
+        let mined = E::Mined { tx_hash: "0x02".into(), block_hash: "0xb1".into(), block_number: 5 };
+        let cases: Vec<(Vec<WithdrawalEvent>, S, Option<&str>)> = vec![
+            (vec![requested()], S::Requested, None),
+            (vec![requested(), E::AwaitingApproval { limit: Amount::from_u64(1) }], S::AwaitingApproval, None),
+            (
+                vec![requested(), E::AwaitingApproval { limit: Amount::ZERO }, E::Approved { by: "x".into() }],
+                S::Requested,
+                None,
+            ),
+            (vec![requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into() }], S::Broadcast, Some("0x01")),
+            (
+                vec![
+                    requested(),
+                    signed.clone(),
+                    E::Broadcast { tx_hash: "0x01".into() },
+                    E::Bumped { tx_hash: "0x02".into(), at_block: 4 },
+                    mined.clone(),
+                ],
+                S::Mined,
+                Some("0x02"),
+            ),
+            (
+                vec![
+                    requested(),
+                    signed.clone(),
+                    mined.clone(),
+                    E::Unmined { tx_hash: "0x02".into(), block_hash: "0xb1".into() },
+                ],
+                S::Broadcast,
+                Some("0x02"),
+            ),
+            (
+                vec![
+                    requested(),
+                    signed.clone(),
+                    E::CancelRequested { by: "x".into() },
+                    E::Bumped { tx_hash: "0x03".into(), at_block: 2 },
+                ],
+                S::CancelRequested,
+                Some("0x01"),
+            ),
+            (vec![requested(), E::Cancelled { tx_hash: None, fee: Amount::ZERO }], S::Cancelled, None),
+        ];
+        for (events, state, tx) in cases {
+            let folded = Withdrawal::fold(9, &events).expect("starts with requested");
+            assert_eq!(folded.state, state, "{events:?}");
+            assert_eq!(folded.tx_hash.as_deref(), tx, "{events:?}");
+            assert_eq!(folded.last_seq as usize, events.len());
+        }
+        assert!(Withdrawal::fold(9, &[E::Approved { by: "x".into() }]).is_none());
+        assert!(S::Broadcast.holds_funds() && !S::Confirmed.holds_funds());
+    }
+}

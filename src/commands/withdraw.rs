@@ -1,0 +1,318 @@
+//! `custodian hot-wallet`, `withdraw`, `withdrawals`, `cancel` and `work`.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use custodian_domain::{Amount, Chain};
+use custodian_store::ownership;
+use custodian_withdrawals::actions::{self, ActionError};
+use custodian_withdrawals::hot_wallet::{self, HotWalletError};
+use custodian_withdrawals::request::{self, Request, RequestError};
+use custodian_withdrawals::{sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+use serde_json::json;
+
+use crate::exit::{invalid, Exit};
+use crate::settings::Settings;
+
+fn node(settings: &Settings) -> Result<EthNode> {
+    let url = settings
+        .eth_rpc
+        .as_deref()
+        .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
+    EthNode::new(url).map_err(|e| invalid(e.to_string()))
+}
+
+fn hot_wallet_error(e: HotWalletError) -> anyhow::Error {
+    match e {
+        HotWalletError::Database(e) => anyhow::Error::new(e).context("database error"),
+        HotWalletError::Node(e) => anyhow::Error::new(e).context("asking the node for the pending nonce"),
+        refusal => invalid(refusal.to_string()),
+    }
+}
+
+fn action_error(e: ActionError) -> anyhow::Error {
+    match e {
+        ActionError::Database(e) => anyhow::anyhow!("database error: {e}"),
+        refusal => invalid(refusal.to_string()),
+    }
+}
+
+pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, lane: Option<&str>) -> Result<Exit> {
+    if chain != Chain::Eth {
+        return Err(invalid("hot wallets are ETH lanes; BTC withdrawals are not supported"));
+    }
+    let signer = LocalSigner::from_file(key_file).map_err(|e| invalid(e.to_string()))?;
+    let address = format!("{:#x}", signer.address());
+    drop(signer);
+    let node = node(settings)?;
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let lane = match lane {
+        Some(lane) if !lane.is_empty() && lane.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => {
+            lane.to_owned()
+        }
+        Some(lane) => return Err(invalid(format!("lane name {lane:?} must be letters, digits, - or _"))),
+        None => format!("lane{}", hot_wallet::lanes(&client).await?.len() + 1),
+    };
+    let (registered, created) = hot_wallet::add(&mut client, &node, &lane, &address).await.map_err(hot_wallet_error)?;
+    if settings.json {
+        super::print_json(&json!({ "lane": registered, "created": created }))?;
+    } else {
+        println!(
+            "lane {} is {} with next nonce {}{}",
+            registered.lane,
+            registered.address,
+            registered.next_nonce,
+            if created { "" } else { " (already registered)" }
+        );
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn pause(settings: &Settings, lane: &str, reason: Option<&str>) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    hot_wallet::set_paused(&pool.get().await?, lane, reason).await.map_err(hot_wallet_error)?;
+    if settings.json {
+        super::print_json(&json!({ "lane": lane, "paused": reason.is_some(), "reason": reason }))?;
+    } else {
+        println!("lane {lane} {}", if reason.is_some() { "paused" } else { "resumed" });
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn lanes(settings: &Settings) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let lanes = hot_wallet::lanes(&pool.get().await?).await?;
+    if settings.json {
+        return super::print_json(&lanes).map(|()| Exit::Success);
+    }
+    for l in &lanes {
+        println!(
+            "{:<10} {} next nonce {:<6} {}",
+            l.lane,
+            l.address,
+            l.next_nonce,
+            l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"))
+        );
+    }
+    Ok(Exit::Success)
+}
+
+async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(String, u8)> {
+    let row = client
+        .query_opt(
+            "select asset, decimals from asset where chain = 'eth' and (asset = $1 or upper(symbol) = upper($1))",
+            &[&asset],
+        )
+        .await?
+        .ok_or_else(|| {
+            invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH and registered ERC-20 tokens)"))
+        })?;
+    Ok((row.get(0), u8::try_from(row.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77")))
+}
+
+pub async fn request(
+    settings: &Settings,
+    account: &str,
+    asset: &str,
+    to: &str,
+    amount: &str,
+    external_id: &str,
+) -> Result<Exit> {
+    let external_id = external_id.trim();
+    if external_id.is_empty() {
+        return Err(invalid("--external-id must not be empty"));
+    }
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let account = ownership::find_account(&client, account).await.map_err(|e| invalid(e.to_string()))?;
+    let (asset, decimals) = resolve_asset(&client, asset).await?;
+    let (destination, amount) = request::parse(to, amount, decimals).map_err(|e| invalid(e.to_string()))?;
+    let r = Request { account_id: account.id, external_id: external_id.to_owned(), asset, destination, amount };
+    let outcome = match request::request(&mut client, &r).await {
+        Ok(outcome) => outcome,
+        Err(RequestError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the withdrawal")),
+        Err(refusal) => return Err(invalid(refusal.to_string())),
+    };
+    let w = &outcome.withdrawal;
+    if settings.json {
+        super::print_json(&json!({ "withdrawal": w, "created": outcome.created }))?;
+    } else {
+        println!(
+            "withdrawal {} {} ({} {} to {} on lane {}){}",
+            w.id,
+            w.state.as_str(),
+            w.amount.to_decimal_string(decimals),
+            r.asset,
+            w.destination,
+            w.lane,
+            if outcome.created { "" } else { " — returned the earlier request with this external id" }
+        );
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn approve(settings: &Settings, id: i64, by: &str) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let (w, recorded) = actions::approve(&mut pool.get().await?, id, by).await.map_err(action_error)?;
+    if settings.json {
+        super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
+    } else {
+        println!("withdrawal {id} {} by {by}", if recorded { "approved" } else { "was already approved" });
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn limit(settings: &Settings, asset: &str, amount: &str) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    let (asset, decimals) = resolve_asset(&client, asset).await?;
+    let limit = if amount == "none" {
+        None
+    } else {
+        Some(Amount::parse_decimal(amount, decimals).map_err(|e| invalid(format!("--amount: {e}")))?.units())
+    };
+    client.execute("update asset set approval_limit = $2 where asset = $1", &[&asset, &limit]).await?;
+    if settings.json {
+        super::print_json(&json!({ "asset": asset, "approval_limit": limit.map(|l| l.to_string()) }))?;
+    } else {
+        println!(
+            "{asset}: approval limit {}",
+            limit.map_or("none".to_owned(), |l| Amount::from_units(l).to_decimal_string(decimals))
+        );
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn cancel(settings: &Settings, id: i64, by: &str) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let (w, recorded) = actions::cancel(&mut pool.get().await?, id, by).await.map_err(action_error)?;
+    if settings.json {
+        super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
+    } else {
+        println!("withdrawal {id} is {}", w.state.as_str());
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> Result<Exit> {
+    if let Some(state) = state {
+        state.parse::<custodian_domain::withdrawal::WithdrawalState>().map_err(invalid)?;
+    }
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    let rows = client
+        .query(
+            "select id from withdrawal where ($1::bigint is null or id = $1) and ($2::text is null or state = $2) order by id limit 1000",
+            &[&id, &state],
+        )
+        .await?;
+    let mut out = Vec::new();
+    for row in rows {
+        let id: i64 = row.get(0);
+        let w = sql::load(&client, id).await?.expect("BUG: projection row without events");
+        let attempts: Vec<_> = sql::attempts(&client, id)
+            .await?
+            .into_iter()
+            .map(|a| json!({ "tx_hash": a.tx_hash, "kind": a.kind, "max_fee_per_gas_wei": a.max_fee.to_string() }))
+            .collect();
+        out.push(json!({ "withdrawal": w, "attempts": attempts }));
+    }
+    if id.is_some() && out.is_empty() {
+        return Err(invalid(format!("no withdrawal {}", id.unwrap_or_default())));
+    }
+    if settings.json {
+        return super::print_json(&out).map(|()| Exit::Success);
+    }
+    for entry in &out {
+        let w = &entry["withdrawal"];
+        println!(
+            "#{} {} {} {} -> {} lane {} nonce {}",
+            w["id"], w["state"], w["amount"], w["asset"], w["destination"], w["lane"], w["nonce"]
+        );
+        for a in entry["attempts"].as_array().into_iter().flatten() {
+            println!("    {} {}", a["kind"], a["tx_hash"]);
+        }
+    }
+    Ok(Exit::Success)
+}
+
+fn env_key(lane: &str) -> String {
+    lane.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect()
+}
+
+/// Keys per lane from `--key-file LANE=PATH`, `CUSTODIAN_HOT_KEY_FILE_<LANE>` or `CUSTODIAN_HOT_KEY_<LANE>`.
+fn signers(lanes: &[hot_wallet::Lane], key_files: &[String]) -> Result<HashMap<String, Arc<dyn Signer>>> {
+    let mut files: HashMap<String, String> = HashMap::new();
+    for spec in key_files {
+        let (lane, path) =
+            spec.split_once('=').ok_or_else(|| invalid(format!("--key-file {spec:?}: expected LANE=PATH")))?;
+        files.insert(lane.to_owned(), path.to_owned());
+    }
+    let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
+    for lane in lanes {
+        let name = env_key(&lane.lane);
+        let file =
+            files.get(&lane.lane).cloned().or_else(|| std::env::var(format!("CUSTODIAN_HOT_KEY_FILE_{name}")).ok());
+        let signer = match file {
+            Some(path) => {
+                LocalSigner::from_file(Path::new(&path)).map_err(|e| invalid(format!("lane {}: {e}", lane.lane)))?
+            }
+            None => match std::env::var(format!("CUSTODIAN_HOT_KEY_{name}")) {
+                Ok(key) => {
+                    let key = zeroize::Zeroizing::new(key);
+                    LocalSigner::from_hex(&key).map_err(|e| invalid(format!("CUSTODIAN_HOT_KEY_{name}: {e}")))?
+                }
+                Err(_) => {
+                    tracing::warn!(lane = %lane.lane, "no key for this lane; its withdrawals wait for a worker that has one");
+                    continue;
+                }
+            },
+        };
+        signers.insert(lane.lane.clone(), Arc::new(signer));
+    }
+    Ok(signers)
+}
+
+pub async fn work(
+    settings: &Settings,
+    once: bool,
+    key_files: &[String],
+    config: WorkerConfig,
+    interval: Duration,
+) -> Result<Exit> {
+    let node = node(settings)?;
+    let pool = super::pool(settings).await?;
+    let lanes = hot_wallet::lanes(&pool.get().await?).await?;
+    let signers = signers(&lanes, key_files)?;
+    if signers.is_empty() && !lanes.is_empty() {
+        return Err(invalid(
+            "no hot-wallet key for any lane: pass --key-file LANE=PATH or set CUSTODIAN_HOT_KEY_<LANE>",
+        ));
+    }
+    let worker = Worker::new(pool, node, signers, config);
+    if once {
+        let report = worker.pass().await.context("running a withdrawal pass")?;
+        if settings.json {
+            super::print_json(&report)?;
+        } else {
+            println!("{report:?}");
+        }
+        return Ok(Exit::Success);
+    }
+    let mut shutdown = std::pin::pin!(super::shutdown_signal());
+    loop {
+        // A pass is never interrupted: the signal is only looked at between passes.
+        if let Err(e) = worker.pass().await {
+            tracing::warn!("withdrawal pass failed, retried after the interval: {e}");
+        }
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+    Ok(Exit::Success)
+}

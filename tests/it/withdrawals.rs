@@ -1,0 +1,679 @@
+//! Withdrawals against real PostgreSQL and anvil: allocation under concurrency, idempotency,
+//! simulation, crash between commit and broadcast, dropped transactions, fee spikes, reorgs,
+//! outside use of a hot key, cancels, on-chain failure and approvals.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use alloy_primitives::U256;
+use custodian_domain::withdrawal::WithdrawalState;
+use custodian_domain::{Amount, EthAddress};
+use custodian_projections::replay;
+use custodian_testkit::{eventually, Anvil, TestDb};
+use custodian_withdrawals::request::{self, Request, RequestError};
+use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+use serde_json::{json, Value};
+
+/// anvil's dev keys 1 and 2 are the two hot wallets (lanes a and b); key 0 funds everything.
+const LANE_KEYS: [(&str, &str); 2] = [
+    ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
+    ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
+];
+const FUNDER: &str = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
+const ETHER: u128 = 1_000_000_000_000_000_000;
+
+pub struct Harness {
+    pub anvil: Anvil,
+    pub db: TestDb,
+    pub node: EthNode,
+    pub signers: HashMap<String, Arc<dyn Signer>>,
+}
+
+impl Harness {
+    pub async fn start(anvil_args: &[&str]) -> Harness {
+        let anvil = Anvil::spawn_with(anvil_args).await.unwrap();
+        let db = TestDb::new().await;
+        let node = EthNode::new(&anvil.url).unwrap();
+        let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
+        for (lane, key) in LANE_KEYS {
+            let signer = LocalSigner::from_hex(key).unwrap();
+            let mut client = db.pool.get().await.unwrap();
+            hot_wallet::add(&mut client, &node, lane, &format!("{:#x}", signer.address())).await.unwrap();
+            signers.insert(lane.to_owned(), Arc::new(signer));
+        }
+        Harness { anvil, db, node, signers }
+    }
+
+    pub fn worker(&self, config: WorkerConfig) -> Worker {
+        Worker::new(self.db.pool.clone(), self.node.clone(), self.signers.clone(), config)
+    }
+
+    pub async fn rpc(&self, method: &str, params: Value) -> Value {
+        self.anvil.rpc(method, params).await.unwrap_or_else(|e| panic!("{method}: {e}"))
+    }
+
+    pub async fn mine(&self, blocks: u64) {
+        self.rpc("anvil_mine", json!([format!("0x{blocks:x}")])).await;
+    }
+
+    pub async fn balance(&self, address: &str) -> U256 {
+        let hex = self.rpc("eth_getBalance", json!([address, "latest"])).await;
+        U256::from_str_radix(hex.as_str().unwrap().trim_start_matches("0x"), 16).unwrap()
+    }
+
+    /// An account credited with `wei` by a confirmed deposit fact, as the posting pass would.
+    pub async fn funded_account(&self, name: &str, wei: u128) -> i64 {
+        let client = self.db.pool.get().await.unwrap();
+        let id: i64 = client
+            .query_one("insert into account (external_ref) values ($1) returning id", &[&name])
+            .await
+            .unwrap()
+            .get(0);
+        let address = format!("0x{:040x}", 0xdead_0000u64 + id as u64);
+        let block = format!("0x{:064x}", 0xb10c_0000u64 + id as u64);
+        let tx = format!("0x{:064x}", 0x7e57_0000u64 + id as u64);
+        client
+            .batch_execute(&format!(
+                "insert into wallet_address (chain, address, account_id) values ('eth', '{address}', {id});
+                 insert into chain_block (chain, height, block_hash, parent_hash) values ('eth', {id} + 1000000, '{block}', '{block}');
+                 insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
+                      values ('eth', '{block}', '{tx}', 0, '{address}', 'ETH', {wei});
+                 begin;
+                 insert into ledger_transfer (idempotency_key, kind, reference) values ('deposit:eth:{tx}:0', 'deposit',
+                      jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'output_index', 0, 'block_hash', '{block}'));
+                 insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                      (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {wei}),
+                      (currval('ledger_transfer_id_seq'), 'user:{id}', 'ETH', 'credit', {wei});
+                 commit;"
+            ))
+            .await
+            .unwrap();
+        id
+    }
+
+    pub async fn request(
+        &self,
+        account: i64,
+        external_id: &str,
+        to: &str,
+        wei: u128,
+    ) -> Result<request::Requested, RequestError> {
+        let mut client = self.db.pool.get().await.unwrap();
+        let r = Request {
+            account_id: account,
+            external_id: external_id.to_owned(),
+            asset: "ETH".to_owned(),
+            destination: EthAddress::parse(to).unwrap(),
+            amount: Amount::from_units(U256::from(wei)),
+        };
+        request::request(&mut client, &r).await
+    }
+
+    pub async fn state(&self, id: i64) -> WithdrawalState {
+        sql::load(&self.db.pool.get().await.unwrap(), id).await.unwrap().unwrap().state
+    }
+
+    pub async fn available(&self, account: i64) -> String {
+        let client = self.db.pool.get().await.unwrap();
+        client
+            .query_one(
+                "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
+                   from ledger_posting where ledger_account = 'user:' || $1::bigint",
+                &[&account],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        self.db.pool.get().await.unwrap().query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    /// Runs passes (mining a block between them when automine is off) until `done` holds.
+    pub async fn work_until(
+        &self,
+        worker: &Worker,
+        mine_between: bool,
+        what: &str,
+        done: impl Fn(&Harness) -> futures::future::BoxFuture<'_, bool>,
+    ) {
+        for _ in 0..60 {
+            worker.pass().await.unwrap();
+            if done(self).await {
+                return;
+            }
+            if mine_between {
+                self.mine(1).await;
+            }
+        }
+        panic!("gave up waiting for {what}");
+    }
+
+    pub async fn verify(&self) {
+        let report = replay::verify(&mut self.db.pool.get().await.unwrap()).await.unwrap();
+        assert!(report.verified(), "{:#?}", report.differences);
+    }
+}
+
+fn config(confirmations: u64) -> WorkerConfig {
+    WorkerConfig { confirmations, bump_after_blocks: 2, ..WorkerConfig::default() }
+}
+
+fn destination(i: u64) -> String {
+    format!("0x{:040x}", 0x5151_0000u64 + i)
+}
+
+#[tokio::test]
+async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_mine_exactly_once() {
+    let h = Arc::new(Harness::start(&[]).await);
+    let mut accounts = Vec::new();
+    for c in 0..8 {
+        accounts.push(h.funded_account(&format!("client-{c}"), 100 * ETHER).await);
+    }
+    let start_nonces: HashMap<String, i64> = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| (l.lane, l.next_nonce))
+        .collect();
+    let clients = accounts.iter().enumerate().map(|(c, account)| {
+        let (h, account) = (h.clone(), *account);
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for i in 0..25u64 {
+                let n = c as u64 * 25 + i;
+                let r = h
+                    .request(account, &format!("w-{n}"), &destination(n), 1_000_000_000 + u128::from(n))
+                    .await
+                    .unwrap();
+                ids.push(r.withdrawal.id);
+            }
+            ids
+        })
+    });
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let h = h.clone();
+            tokio::spawn(async move {
+                let worker = h.worker(config(1));
+                for _ in 0..200 {
+                    worker.pass().await.unwrap();
+                    let open = h.count("select count(*) from withdrawal where state <> 'confirmed'").await;
+                    let total = h.count("select count(*) from withdrawal").await;
+                    if total == 200 && open == 0 {
+                        return;
+                    }
+                }
+                panic!("workers did not finish");
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for client in clients {
+        ids.extend(client.await.unwrap());
+    }
+    assert_eq!(ids.len(), 200);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+
+    assert_eq!(h.count("select count(*) from withdrawal where state = 'confirmed'").await, 200);
+    assert_eq!(
+        h.count("select count(*) from withdrawal_attempt").await,
+        200,
+        "one signed payload each, no bumps needed"
+    );
+    for (lane, start) in &start_nonces {
+        let client = h.db.pool.get().await.unwrap();
+        let nonces: Vec<i64> = client
+            .query(
+                "select n.nonce from nonce_allocation n join hot_wallet w on w.address = n.from_address where w.lane = $1 order by 1",
+                &[lane],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(!nonces.is_empty(), "both lanes were used");
+        assert_eq!(
+            nonces,
+            (*start..*start + nonces.len() as i64).collect::<Vec<_>>(),
+            "lane {lane}: contiguous, no gap, no duplicate"
+        );
+    }
+    for n in 0..200u64 {
+        assert_eq!(
+            h.balance(&destination(n)).await,
+            U256::from(1_000_000_000u64 + n),
+            "destination {n} paid exactly once"
+        );
+    }
+    assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await, 200);
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn the_same_external_id_five_times_concurrently_is_one_withdrawal_and_a_different_payload_conflicts() {
+    let h = Arc::new(Harness::start(&[]).await);
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let h = h.clone();
+            tokio::spawn(async move { h.request(alice, "pay-1", &destination(1), ETHER).await.unwrap() })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    let mut created = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        ids.push(r.withdrawal.id);
+        created += usize::from(r.created);
+    }
+    ids.dedup();
+    assert_eq!((ids.len(), created), (1, 1), "one withdrawal, created once");
+    match h.request(alice, "pay-1", &destination(2), 2 * ETHER).await {
+        Err(RequestError::Conflict { fields, existing, .. }) => {
+            assert_eq!(fields, ["destination", "amount"]);
+            assert_eq!(existing, ids[0]);
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'withdrawal_hold'").await, 1, "one hold");
+    assert_eq!(h.available(alice).await, (9 * ETHER).to_string());
+    assert_eq!(h.count("select count(*) from nonce_allocation").await, 0, "requests never consume a nonce");
+}
+
+#[tokio::test]
+async fn an_erc20_withdrawal_whose_simulation_reverts_is_rejected_without_a_nonce() {
+    let h = Harness::start(&[]).await;
+    let bob = h.funded_account("bob", ETHER).await;
+    // A token whose whole supply sits with the funder: the hot wallets hold none of it.
+    let bytecode = include_str!("../../testkit/contracts/TestToken.bin");
+    let args = "0000000000000000000000000000000000000000000000000000000000000080\
+                00000000000000000000000000000000000000000000000000000000000000c0\
+                0000000000000000000000000000000000000000000000000000000000000006\
+                000000000000000000000000000000000000000000000000000000e8d4a51000\
+                000000000000000000000000000000000000000000000000000000000000000a\
+                5465737420546f6b656e00000000000000000000000000000000000000000000\
+                0000000000000000000000000000000000000000000000000000000000000002\
+                5454000000000000000000000000000000000000000000000000000000000000";
+    let hash = h
+        .rpc("eth_sendTransaction", json!([{"from": FUNDER, "data": format!("0x{bytecode}{args}"), "gas": "0x1e8480"}]))
+        .await;
+    let receipt = eventually("token deployment", Duration::from_secs(10), || async {
+        let r = h.anvil.rpc("eth_getTransactionReceipt", json!([hash])).await.unwrap();
+        (!r.is_null()).then_some(r)
+    })
+    .await;
+    let token = receipt["contractAddress"].as_str().unwrap().to_owned();
+    let client = h.db.pool.get().await.unwrap();
+    let (asset, _) = custodian_store::ownership::add_token(&client, &token, "TT", 6).await.unwrap();
+    // Bob's token balance, credited as a posted deposit of the token.
+    client
+        .batch_execute(&format!(
+            "begin;
+             insert into ledger_transfer (idempotency_key, kind, reference) values ('adj:tt', 'adjustment', '{{}}');
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', '{asset}', 'debit', 5000000),
+                  (currval('ledger_transfer_id_seq'), 'user:{bob}', '{asset}', 'credit', 5000000);
+             commit;"
+        ))
+        .await
+        .unwrap();
+    let nonces_before = hot_wallet::lanes(&client).await.unwrap();
+    let mut c = h.db.pool.get().await.unwrap();
+    let r = request::request(
+        &mut c,
+        &Request {
+            account_id: bob,
+            external_id: "tt-1".into(),
+            asset: asset.clone(),
+            destination: EthAddress::parse(&destination(7)).unwrap(),
+            amount: Amount::from_u64(1_000_000),
+        },
+    )
+    .await
+    .unwrap();
+    let report = h.worker(config(1)).pass().await.unwrap();
+    assert_eq!((report.rejected, report.signed), (1, 0));
+    assert_eq!(h.state(r.withdrawal.id).await, WithdrawalState::Rejected);
+    assert_eq!(h.count("select count(*) from nonce_allocation").await, 0);
+    assert_eq!(hot_wallet::lanes(&client).await.unwrap(), nonces_before, "no nonce consumed");
+    let token_balance: String = client
+        .query_one("select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text from ledger_posting where ledger_account = $1 and asset = $2", &[&format!("user:{bob}"), &asset])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(token_balance, "5000000", "hold released");
+}
+
+#[tokio::test]
+async fn a_worker_stopped_after_commit_and_before_broadcast_sends_the_same_bytes_after_restart() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "crash-1", &destination(11), ETHER).await.unwrap().withdrawal;
+    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.lane == w.lane)
+        .unwrap();
+    {
+        // The first process signs and commits, then dies before broadcasting.
+        let first = h.worker(config(1));
+        first.allocate_lane(&lane).await.unwrap();
+    }
+    let signed = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
+    assert_eq!(signed.state, WithdrawalState::Signed);
+    let stored_hash = signed.tx_hash.clone().unwrap();
+    assert!(h.anvil.rpc("eth_getTransactionByHash", json!([stored_hash])).await.unwrap().is_null(), "never sent");
+
+    let restarted = h.worker(config(1));
+    h.work_until(&restarted, false, "confirmation", |h| {
+        Box::pin(async move { h.state(w.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
+    assert_eq!(done.tx_hash, Some(stored_hash), "the stored bytes were sent, not re-signed");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 1);
+    assert_eq!(h.balance(&destination(11)).await, U256::from(ETHER));
+}
+
+#[tokio::test]
+async fn a_transaction_dropped_from_the_mempool_is_sent_again_and_mined() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "drop-1", &destination(12), ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(1));
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.signed, report.broadcast), (1, 1));
+    let hash = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap().tx_hash.unwrap();
+    h.rpc("anvil_dropTransaction", json!([hash])).await;
+    assert!(h.anvil.rpc("eth_getTransactionByHash", json!([hash])).await.unwrap().is_null());
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.rebroadcast, 1);
+    h.work_until(&worker, true, "confirmation", |h| {
+        Box::pin(async move { h.state(w.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    assert_eq!(h.balance(&destination(12)).await, U256::from(ETHER));
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 1, "same bytes, no new attempt");
+}
+
+#[tokio::test]
+async fn a_base_fee_spike_is_answered_by_a_bump_that_settlement_finds_by_nonce() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "spike-1", &destination(13), ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(1));
+    worker.pass().await.unwrap();
+    let original = sql::attempts(&h.db.pool.get().await.unwrap(), w.id).await.unwrap();
+    assert_eq!(original.len(), 1);
+    // The next blocks cost far more than the attempt is willing to pay.
+    let spike = original[0].max_fee * U256::from(4);
+    h.rpc("anvil_setNextBlockBaseFeePerGas", json!([format!("{spike:#x}")])).await;
+    h.mine(2).await;
+    assert!(
+        h.anvil.rpc("eth_getTransactionReceipt", json!([original[0].tx_hash])).await.unwrap().is_null(),
+        "priced out"
+    );
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.bumped, 1);
+    h.work_until(&worker, true, "confirmation", |h| {
+        Box::pin(async move { h.state(w.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id).await.unwrap();
+    assert_eq!(attempts.len(), 2, "the original is still recorded");
+    assert_eq!(attempts[1].kind, "bump");
+    assert!(attempts[1].max_fee * U256::from(8) >= attempts[0].max_fee * U256::from(9), "raised at least 12.5%");
+    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
+    assert_eq!(done.tx_hash.as_deref(), Some(attempts[1].tx_hash.as_str()), "settled on the bump");
+    assert_eq!(h.balance(&destination(13)).await, U256::from(ETHER));
+}
+
+#[tokio::test]
+async fn a_mined_withdrawal_reorged_out_is_sent_again_and_settled_once() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "reorg-1", &destination(14), ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(4));
+    h.work_until(&worker, false, "mined", |h| Box::pin(async move { h.state(w.id).await == WithdrawalState::Mined }))
+        .await;
+    h.rpc("anvil_reorg", json!([1, []])).await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.unmined, 1);
+    h.work_until(&worker, true, "confirmation", |h| {
+        Box::pin(async move { h.state(w.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    let client = h.db.pool.get().await.unwrap();
+    let types: Vec<String> = client
+        .query("select event_type from withdrawal_event where withdrawal_id = $1 order by seq", &[&w.id])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(types.windows(2).any(|p| p == ["mined", "unmined"]), "{types:?}");
+    assert_eq!(types.last().map(String::as_str), Some("confirmed"));
+    assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await, 1);
+    assert_eq!(h.balance(&destination(14)).await, U256::from(ETHER));
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_keeps_going() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    // Find one request per lane.
+    let mut by_lane: HashMap<String, i64> = HashMap::new();
+    let mut n = 0;
+    while by_lane.len() < 2 {
+        n += 1;
+        let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
+        by_lane.entry(w.lane.clone()).or_insert(w.id);
+    }
+    let worker = h.worker(config(1));
+    worker.pass().await.unwrap();
+    // Someone with lane a's key replaces our pending transaction at the same nonce.
+    let lane_a =
+        hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap().into_iter().find(|l| l.lane == "a").unwrap();
+    let ours = sql::load(&h.db.pool.get().await.unwrap(), by_lane["a"]).await.unwrap().unwrap();
+    let thief = h.signers["a"].clone();
+    let outside = alloy::consensus::TxEip1559 {
+        chain_id: 31337,
+        nonce: ours.nonce.unwrap(),
+        gas_limit: 21_000,
+        max_fee_per_gas: 1_000_000_000_000,
+        max_priority_fee_per_gas: 500_000_000_000,
+        to: alloy_primitives::TxKind::Call(FUNDER.parse().unwrap()),
+        value: U256::from(1u8),
+        ..Default::default()
+    };
+    let signed = thief.sign(outside).unwrap();
+    h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
+    h.mine(1).await;
+    for _ in 0..10 {
+        worker.pass().await.unwrap();
+        h.mine(1).await;
+    }
+    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::NeedsReview);
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    let reason = lanes.iter().find(|l| l.lane == "a").unwrap().pause_reason.clone().unwrap();
+    assert!(reason.contains("did not sign"), "{reason}");
+    assert_eq!(lane_a.address, lanes[0].address);
+    assert!(lanes.iter().find(|l| l.lane == "b").unwrap().pause_reason.is_none());
+    assert_eq!(h.state(by_lane["b"]).await, WithdrawalState::Confirmed, "lane b keeps going");
+}
+
+#[tokio::test]
+async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let worker = h.worker(config(1));
+
+    // Before signing: cancelled at once, the hold released.
+    let early = h.request(alice, "c-early", &destination(21), ETHER).await.unwrap().withdrawal;
+    assert_eq!(h.available(alice).await, (9 * ETHER).to_string());
+    let (cancelled, _) = actions::cancel(&mut h.db.pool.get().await.unwrap(), early.id, "alice").await.unwrap();
+    assert_eq!(cancelled.state, WithdrawalState::Cancelled);
+    assert_eq!(h.available(alice).await, (10 * ETHER).to_string());
+
+    // After broadcast, and the cancel mines.
+    let racing = h.request(alice, "c-race", &destination(22), ETHER).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    assert_eq!(h.state(racing.id).await, WithdrawalState::Broadcast);
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), racing.id, "alice").await.unwrap();
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.cancel_attempts, 1);
+    h.work_until(&worker, true, "the cancel to settle", |h| {
+        Box::pin(async move { h.state(racing.id).await == WithdrawalState::Cancelled })
+    })
+    .await;
+    assert_eq!(h.balance(&destination(22)).await, U256::ZERO, "the original never paid");
+    let fee: String = h.db.pool.get().await.unwrap()
+        .query_one("select amount::text from ledger_posting p join ledger_transfer t on t.id = p.transfer_id where t.idempotency_key = $1 and p.direction = 'debit'", &[&format!("withdrawal:{}:fee", racing.id)])
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(fee, "0", "the cancel's fee is booked");
+    assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "hold released");
+
+    // After broadcast, but the original mines first: the cancel loses and the payout stands.
+    let late = h.request(alice, "c-late", &destination(23), ETHER).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    h.mine(1).await;
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), late.id, "alice").await.unwrap();
+    h.work_until(&worker, true, "the original to settle", |h| {
+        Box::pin(async move { h.state(late.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    assert_eq!(h.balance(&destination(23)).await, U256::from(ETHER));
+    assert_eq!(h.available(alice).await, (9 * ETHER).to_string());
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_charged_and_the_hold_released() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let hash = h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "data": format!("0x{}", include_str!("../../testkit/contracts/Reverter.bin")), "gas": "0x1e8480"}])).await;
+    let receipt = eventually("deployment", Duration::from_secs(10), || async {
+        let r = h.anvil.rpc("eth_getTransactionReceipt", json!([hash])).await.unwrap();
+        (!r.is_null()).then_some(r)
+    })
+    .await;
+    let reverter = EthAddress::parse(receipt["contractAddress"].as_str().unwrap()).unwrap().to_checksummed();
+    let w = h.request(alice, "fail-1", &reverter, ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(1));
+    h.work_until(&worker, false, "settlement", |h| {
+        Box::pin(async move { h.state(w.id).await == WithdrawalState::FailedOnchain })
+    })
+    .await;
+    assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "hold released");
+    assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'network_fee'").await, 1, "fee charged");
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn a_withdrawal_above_the_approval_limit_waits_for_a_named_approval() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    h.db.pool
+        .get()
+        .await
+        .unwrap()
+        .execute("update asset set approval_limit = $1 where asset = 'ETH'", &[&U256::from(2 * ETHER)])
+        .await
+        .unwrap();
+    let big = h.request(alice, "big-1", &destination(31), 3 * ETHER).await.unwrap().withdrawal;
+    assert_eq!(big.state, WithdrawalState::AwaitingApproval);
+    let worker = h.worker(config(1));
+    for _ in 0..3 {
+        assert_eq!(worker.pass().await.unwrap().signed, 0);
+    }
+    assert_eq!(h.state(big.id).await, WithdrawalState::AwaitingApproval);
+    assert!(actions::approve(&mut h.db.pool.get().await.unwrap(), big.id, " ").await.is_err(), "a name is required");
+    let (approved, recorded) = actions::approve(&mut h.db.pool.get().await.unwrap(), big.id, "carol").await.unwrap();
+    assert!(recorded);
+    assert_eq!(approved.state, WithdrawalState::Requested);
+    h.work_until(&worker, false, "confirmation", |h| {
+        Box::pin(async move { h.state(big.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    let payload: Value =
+        h.db.pool
+            .get()
+            .await
+            .unwrap()
+            .query_one(
+                "select payload from withdrawal_event where withdrawal_id = $1 and event_type = 'approved'",
+                &[&big.id],
+            )
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(payload["by"], "carol");
+}
+
+#[tokio::test]
+async fn refused_withdrawals_exit_2_and_write_nothing() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", ETHER).await;
+    let url = h.db.url.expose().to_owned();
+    let count_all = || async {
+        let mut counts = Vec::new();
+        for table in ["withdrawal", "withdrawal_event", "ledger_transfer", "nonce_allocation"] {
+            counts.push(h.count(&format!("select count(*) from {table}")).await);
+        }
+        counts
+    };
+    let before = count_all().await;
+    let to = "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed";
+    let cases: &[(&[&str], &str)] = &[
+        (&["--asset", "ETH", "--to", to, "--amount", "2"], "insufficient funds"),
+        (&["--asset", "ETH", "--to", "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAeD", "--amount", "0.1"], "checksum"),
+        (&["--asset", "ETH", "--to", to, "--amount", "0"], "greater than zero"),
+        (&["--asset", "ETH", "--to", to, "--amount", "0.0000000000000000001"], "decimals"),
+        (&["--asset", "DOGE", "--to", to, "--amount", "0.1"], "unknown asset"),
+        (&["--asset", "ETH", "--to", "0x70997970C51812dc3A010C7d01b50e0d17dc79C8", "--amount", "0.1"], "hot wallets"),
+    ];
+    for (args, message) in cases {
+        let mut full = vec!["withdraw", "--account", "alice", "--external-id", "x-1"];
+        full.extend_from_slice(args);
+        let run = crate::harness::custodian(&url, &full);
+        assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
+        assert_eq!(count_all().await, before, "{args:?} wrote something");
+    }
+    let ok = crate::harness::custodian(
+        &url,
+        &[
+            "withdraw",
+            "--account",
+            "alice",
+            "--external-id",
+            "x-1",
+            "--asset",
+            "eth",
+            "--to",
+            to,
+            "--amount",
+            "0.25",
+            "--json",
+        ],
+    );
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    assert_eq!(ok.json()["withdrawal"]["amount"], "250000000000000000");
+    let conflict = crate::harness::custodian(
+        &url,
+        &["withdraw", "--account", "alice", "--external-id", "x-1", "--asset", "ETH", "--to", to, "--amount", "0.5"],
+    );
+    assert_eq!(conflict.code, 2);
+    assert!(conflict.stderr.contains("different amount"), "{}", conflict.stderr);
+    assert_eq!(h.available(alice).await, (ETHER * 3 / 4).to_string());
+}

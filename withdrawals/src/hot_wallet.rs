@@ -1,0 +1,117 @@
+//! Hot wallets: one lane each, the row whose lock serialises every withdrawal leaving it.
+
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+
+use crate::rpc::{EthNode, NodeError};
+
+/// A lane as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Lane {
+    /// Lane name.
+    pub lane: String,
+    /// Hot wallet address (lowercase hex).
+    pub address: String,
+    /// The next nonce we will allocate.
+    pub next_nonce: i64,
+    /// Why it is paused, if it is.
+    pub pause_reason: Option<String>,
+}
+
+/// Why a hot-wallet change was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum HotWalletError {
+    /// The lane name or address is taken by another wallet.
+    #[error("lane {lane:?} or address {address} is already registered differently")]
+    Taken {
+        /// Lane.
+        lane: String,
+        /// Address.
+        address: String,
+    },
+    /// No such lane.
+    #[error("no lane {0:?}")]
+    UnknownLane(String),
+    /// The node could not be asked for the pending nonce.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Every ETH lane, by name.
+pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_postgres::Error> {
+    let rows = client
+        .query("select lane, address, next_nonce, pause_reason from hot_wallet where chain = 'eth' order by lane", &[])
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Lane { lane: r.get(0), address: r.get(1), next_nonce: r.get(2), pause_reason: r.get(3) })
+        .collect())
+}
+
+/// Registers `address` as lane `lane`. The nonce cursor starts at
+/// `max(chain pending nonce, highest local nonce + 1)`: transactions already in flight from
+/// this key, ours or not, are never reused. Registering the same pair again is a no-op.
+pub async fn add(
+    client: &mut deadpool_postgres::Object,
+    node: &EthNode,
+    lane: &str,
+    address: &str,
+) -> Result<(Lane, bool), HotWalletError> {
+    let parsed: alloy_primitives::Address =
+        address.parse().map_err(|_| HotWalletError::UnknownLane(lane.to_owned()))?;
+    let pending = node.nonce(parsed, true).await?;
+    let tx = client.transaction().await?;
+    let existing = tx
+        .query_opt(
+            "select lane, address from hot_wallet where chain = 'eth' and (lane = $1 or address = $2)",
+            &[&lane, &address],
+        )
+        .await?;
+    if let Some(row) = existing {
+        let (found_lane, found_address): (String, String) = (row.get(0), row.get(1));
+        if found_lane == lane && found_address == address {
+            let current =
+                lanes(&tx).await?.into_iter().find(|l| l.lane == lane).expect("BUG: lane vanished in our transaction");
+            return Ok((current, false));
+        }
+        return Err(HotWalletError::Taken { lane: lane.to_owned(), address: address.to_owned() });
+    }
+    let local: Option<i64> = tx
+        .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
+        .await?
+        .get(0);
+    let next = i64::try_from(pending).expect("BUG: nonce beyond i64").max(local.map_or(0, |n| n + 1));
+    tx.execute(
+        "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, $2, $3)",
+        &[&address, &lane, &next],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok((Lane { lane: lane.to_owned(), address: address.to_owned(), next_nonce: next, pause_reason: None }, true))
+}
+
+/// Pauses (`Some(reason)`) or resumes (`None`) a lane.
+pub async fn set_paused<C: GenericClient>(client: &C, lane: &str, reason: Option<&str>) -> Result<(), HotWalletError> {
+    let changed = match reason {
+        Some(reason) => {
+            client
+                .execute(
+                    "update hot_wallet set paused_at = coalesce(paused_at, now()), pause_reason = $2 where chain = 'eth' and lane = $1",
+                    &[&lane, &reason],
+                )
+                .await?
+        }
+        None => {
+            client
+                .execute("update hot_wallet set paused_at = null, pause_reason = null where chain = 'eth' and lane = $1", &[&lane])
+                .await?
+        }
+    };
+    if changed == 0 {
+        return Err(HotWalletError::UnknownLane(lane.to_owned()));
+    }
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! Withdrawal requests: validation, client idempotency by `(account, external_id)`, the
+//! available-balance check and the hold, all before or inside one transaction.
+
+use alloy_primitives::U256;
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::{Amount, EthAddress};
+use custodian_store::AppendError;
+use serde::Serialize;
+
+use crate::sql::{self, Movement, StoreError};
+
+/// What a client asks for, already parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// The account paying.
+    pub account_id: i64,
+    /// The client's idempotency key.
+    pub external_id: String,
+    /// Asset key (`ETH` or `eth:0x…`).
+    pub asset: String,
+    /// Destination.
+    pub destination: EthAddress,
+    /// Smallest units, positive.
+    pub amount: Amount,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct Requested {
+    /// The withdrawal.
+    pub withdrawal: Withdrawal,
+    /// False when an earlier request with the same external id and payload was returned.
+    pub created: bool,
+}
+
+/// Why a request was refused. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Bad input: checksum, zero amount, too many decimals, unknown asset, our own hot wallet.
+    #[error("{0}")]
+    Invalid(String),
+    /// The external id was used before with another payload.
+    #[error("external id {external_id:?} was already used for withdrawal {existing} with a different {}", fields.join(", "))]
+    Conflict {
+        /// The client's key.
+        external_id: String,
+        /// The earlier withdrawal.
+        existing: i64,
+        /// Which fields differ.
+        fields: Vec<&'static str>,
+    },
+    /// Not enough available balance.
+    #[error("insufficient funds: {requested} requested, {available} available (smallest units of {asset})")]
+    InsufficientFunds {
+        /// Asset.
+        asset: String,
+        /// Requested.
+        requested: Amount,
+        /// Available now.
+        available: String,
+    },
+    /// The lane the withdrawal hashes to is paused.
+    #[error("lane {lane} is paused: {reason}")]
+    LanePaused {
+        /// Lane.
+        lane: String,
+        /// Why.
+        reason: String,
+    },
+    /// No hot wallet is registered.
+    #[error("no hot wallet is registered for eth: `custodian hot-wallet add` first")]
+    NoHotWallet,
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+impl From<StoreError> for RequestError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Database(e) => RequestError::Database(e),
+            StoreError::Conflict(AppendError::Database { source, .. }) => RequestError::Database(source),
+            StoreError::Conflict(conflict) => panic!("BUG: a new stream conflicted: {conflict}"),
+        }
+    }
+}
+
+/// Parses the parts of a request that need only the asset's decimals: the checksummed
+/// destination and a positive amount within the asset's decimals.
+pub fn parse(destination: &str, amount: &str, decimals: u8) -> Result<(EthAddress, Amount), RequestError> {
+    let destination = EthAddress::parse(destination.trim()).map_err(|e| RequestError::Invalid(e.to_string()))?;
+    let amount = Amount::parse_decimal(amount, decimals).map_err(|e| RequestError::Invalid(e.to_string()))?;
+    if amount.is_zero() {
+        return Err(RequestError::Invalid("amount must be greater than zero".into()));
+    }
+    Ok((destination, amount))
+}
+
+/// FNV-1a of the id: a stable lane choice that every process computes alike.
+pub fn lane_index(id: i64, lanes: usize) -> usize {
+    let hash = id
+        .to_le_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3));
+    usize::try_from(hash % lanes as u64).expect("BUG: lane index beyond usize")
+}
+
+fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
+    let mut fields = Vec::new();
+    if existing.asset != request.asset {
+        fields.push("asset");
+    }
+    if existing.destination != request.destination.to_lowercase_hex() {
+        fields.push("destination");
+    }
+    if existing.amount != request.amount {
+        fields.push("amount");
+    }
+    fields
+}
+
+async fn existing(
+    tx: &deadpool_postgres::Transaction<'_>,
+    request: &Request,
+) -> Result<Option<Requested>, RequestError> {
+    let row = tx
+        .query_opt(
+            "select id from withdrawal where account_id = $1 and external_id = $2",
+            &[&request.account_id, &request.external_id],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(None) };
+    let withdrawal = sql::load(tx, row.get(0)).await?.expect("BUG: projection row without events");
+    let fields = differing(&withdrawal, request);
+    if fields.is_empty() {
+        Ok(Some(Requested { withdrawal, created: false }))
+    } else {
+        Err(RequestError::Conflict { external_id: request.external_id.clone(), existing: withdrawal.id, fields })
+    }
+}
+
+/// Records a request, or returns the earlier one with the same external id and payload.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub async fn request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
+    // Two concurrent first requests with one external id: the loser hits the unique key, rolls
+    // back, and on the retry finds the winner's withdrawal.
+    for _ in 0..2 {
+        match try_request(client, request).await {
+            Err(RequestError::Database(e))
+                if custodian_store::is_unique_violation(&e, Some("withdrawal_account_id_external_id_key")) =>
+            {
+                continue
+            }
+            other => return other,
+        }
+    }
+    let tx = client.transaction().await?;
+    existing(&tx, request).await?.ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
+}
+
+async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
+    let tx = client.transaction().await?;
+    if let Some(found) = existing(&tx, request).await? {
+        return Ok(found);
+    }
+    let asset = tx
+        .query_opt("select approval_limit from asset where asset = $1 and chain = 'eth'", &[&request.asset])
+        .await?
+        .ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?}", request.asset)))?;
+    let approval_limit: Option<U256> = asset.get(0);
+    let destination = request.destination.to_lowercase_hex();
+    if tx.query_opt("select 1 from hot_wallet where chain = 'eth' and address = $1", &[&destination]).await?.is_some() {
+        return Err(RequestError::Invalid(format!("{} is one of our hot wallets", request.destination)));
+    }
+    // The account row lock serialises requests of one account: the balance read below cannot be
+    // spent twice by concurrent requests.
+    if tx.query_opt("select 1 from account where id = $1 for update", &[&request.account_id]).await?.is_none() {
+        return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
+    }
+    let available: String = tx
+        .query_one(
+            "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
+               from ledger_posting where ledger_account = 'user:' || $1::bigint and asset = $2",
+            &[&request.account_id, &request.asset],
+        )
+        .await?
+        .get(0);
+    let enough = !available.starts_with('-')
+        && available.parse::<Amount>().expect("BUG: the database returned a non-integer balance") >= request.amount;
+    if !enough {
+        return Err(RequestError::InsufficientFunds {
+            asset: request.asset.clone(),
+            requested: request.amount,
+            available,
+        });
+    }
+    let lanes = crate::hot_wallet::lanes(&tx).await?;
+    if lanes.is_empty() {
+        return Err(RequestError::NoHotWallet);
+    }
+    let id: i64 = tx.query_one("select nextval('withdrawal_id_seq')", &[]).await?.get(0);
+    let lane = &lanes[lane_index(id, lanes.len())];
+    if let Some(reason) = &lane.pause_reason {
+        return Err(RequestError::LanePaused { lane: lane.lane.clone(), reason: reason.clone() });
+    }
+    let mut withdrawal = sql::start(
+        &tx,
+        id,
+        WithdrawalEvent::Requested {
+            account_id: request.account_id,
+            external_id: request.external_id.clone(),
+            asset: request.asset.clone(),
+            destination,
+            amount: request.amount,
+            lane: lane.lane.clone(),
+        },
+    )
+    .await?;
+    sql::post(&tx, &withdrawal, Movement::Hold, Amount::ZERO).await?;
+    if let Some(limit) = approval_limit.filter(|limit| request.amount.units() > *limit) {
+        sql::append(&tx, &mut withdrawal, WithdrawalEvent::AwaitingApproval { limit: Amount::from_units(limit) })
+            .await?;
+    }
+    tx.commit().await?;
+    metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
+    debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
+    Ok(Requested { withdrawal, created: true })
+}

@@ -1,0 +1,161 @@
+//! The Ethereum node as the withdrawal worker uses it: fees, simulation, broadcast, receipts and
+//! nonces. Every call here happens outside any database transaction.
+
+use alloy::rpc::client::RpcClient;
+use alloy::transports::RpcError;
+use alloy_primitives::{Address, Bytes, B256, U256, U64};
+use serde::Deserialize;
+use serde_json::json;
+
+/// Why a node call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NodeError {
+    /// Unreachable, timed out, or the connection broke: retry later, never re-sign.
+    #[error("node unreachable: {0}")]
+    Transport(String),
+    /// The node answered with a JSON-RPC error.
+    #[error("node refused {method}: {message} (code {code})")]
+    Rpc {
+        /// Method.
+        method: &'static str,
+        /// JSON-RPC error code.
+        code: i64,
+        /// Message.
+        message: String,
+    },
+    /// The answer could not be decoded.
+    #[error("node answered {0} with something unexpected")]
+    Malformed(&'static str),
+}
+
+impl NodeError {
+    /// A deterministic execution revert (simulation): the same call will fail again.
+    pub fn is_revert(&self) -> bool {
+        matches!(self, NodeError::Rpc { code, message, .. } if *code == 3 || message.to_ascii_lowercase().contains("revert"))
+    }
+
+    /// The lower-cased message of an RPC error.
+    pub fn message(&self) -> String {
+        match self {
+            NodeError::Rpc { message, .. } => message.to_ascii_lowercase(),
+            other => other.to_string().to_ascii_lowercase(),
+        }
+    }
+}
+
+/// What a receipt says about an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    /// 1 success, 0 reverted.
+    pub success: bool,
+    /// Block hash.
+    pub block_hash: B256,
+    /// Block number.
+    pub block_number: u64,
+    /// gasUsed × effectiveGasPrice.
+    pub fee: U256,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RpcReceipt {
+    status: Option<U64>,
+    block_hash: B256,
+    block_number: U64,
+    gas_used: U256,
+    effective_gas_price: U256,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RpcHeader {
+    hash: B256,
+    base_fee_per_gas: Option<U256>,
+}
+
+/// A JSON-RPC Ethereum node.
+#[derive(Clone)]
+pub struct EthNode {
+    client: RpcClient,
+}
+
+impl EthNode {
+    /// The node at `url`.
+    pub fn new(url: &str) -> Result<EthNode, NodeError> {
+        let url = url.parse().map_err(|e| NodeError::Transport(format!("invalid Ethereum RPC URL: {e}")))?;
+        Ok(EthNode { client: RpcClient::new_http(url) })
+    }
+
+    async fn call<P, R>(&self, method: &'static str, params: P) -> Result<R, NodeError>
+    where
+        P: alloy::rpc::json_rpc::RpcSend,
+        R: alloy::rpc::json_rpc::RpcRecv,
+    {
+        self.client.request(method, params).await.map_err(|e| match e {
+            RpcError::ErrorResp(payload) => {
+                NodeError::Rpc { method, code: payload.code, message: payload.message.to_string() }
+            }
+            RpcError::DeserError { .. } => NodeError::Malformed(method),
+            RpcError::NullResp => NodeError::Malformed(method),
+            other => NodeError::Transport(other.to_string()),
+        })
+    }
+
+    /// `eth_chainId`.
+    pub async fn chain_id(&self) -> Result<u64, NodeError> {
+        Ok(self.call::<_, U64>("eth_chainId", ()).await?.to::<u64>())
+    }
+
+    /// `eth_blockNumber`.
+    pub async fn block_number(&self) -> Result<u64, NodeError> {
+        Ok(self.call::<_, U64>("eth_blockNumber", ()).await?.to::<u64>())
+    }
+
+    /// The latest block's base fee and the node's suggested priority fee, wei per gas.
+    pub async fn fees(&self) -> Result<(U256, U256), NodeError> {
+        let header: RpcHeader = self.call("eth_getBlockByNumber", ("latest", false)).await?;
+        let priority: U256 = self.call("eth_maxPriorityFeePerGas", ()).await?;
+        Ok((header.base_fee_per_gas.unwrap_or_default(), priority))
+    }
+
+    /// `eth_estimateGas`: the simulation. A revert comes back as an error with `is_revert`.
+    pub async fn estimate_gas(&self, from: Address, to: Address, value: U256, data: &Bytes) -> Result<u64, NodeError> {
+        let gas: U64 =
+            self.call("eth_estimateGas", (json!({"from": from, "to": to, "value": value, "data": data}),)).await?;
+        Ok(gas.to::<u64>())
+    }
+
+    /// `eth_sendRawTransaction` of stored bytes.
+    pub async fn send_raw(&self, raw: &[u8]) -> Result<B256, NodeError> {
+        self.call("eth_sendRawTransaction", (Bytes::copy_from_slice(raw),)).await
+    }
+
+    /// Whether the node knows the transaction (in its pool or mined).
+    pub async fn knows(&self, hash: B256) -> Result<bool, NodeError> {
+        let tx: Option<serde_json::Value> = self.call("eth_getTransactionByHash", (hash,)).await?;
+        Ok(tx.is_some_and(|v| !v.is_null()))
+    }
+
+    /// The receipt of `hash`, if mined.
+    pub async fn receipt(&self, hash: B256) -> Result<Option<Receipt>, NodeError> {
+        let receipt: Option<RpcReceipt> = self.call("eth_getTransactionReceipt", (hash,)).await?;
+        Ok(receipt.map(|r| Receipt {
+            success: r.status == Some(U64::from(1)),
+            block_hash: r.block_hash,
+            block_number: r.block_number.to::<u64>(),
+            fee: r.gas_used.saturating_mul(r.effective_gas_price),
+        }))
+    }
+
+    /// `eth_getTransactionCount` at `latest` (mined) or `pending`.
+    pub async fn nonce(&self, address: Address, pending: bool) -> Result<u64, NodeError> {
+        let tag = if pending { "pending" } else { "latest" };
+        Ok(self.call::<_, U64>("eth_getTransactionCount", (address, tag)).await?.to::<u64>())
+    }
+
+    /// The hash of the canonical block at `number`.
+    pub async fn block_hash(&self, number: u64) -> Result<Option<B256>, NodeError> {
+        let header: Option<RpcHeader> = self.call("eth_getBlockByNumber", (format!("0x{number:x}"), false)).await?;
+        Ok(header.map(|h| h.hash))
+    }
+}

@@ -1,0 +1,230 @@
+//! The withdrawal tables: event append with the projection updated in the same transaction, the
+//! ledger transfers a withdrawal makes, and attempts.
+//!
+//! Every writer of a withdrawal's stream first locks its projection row (`for update`), so two
+//! writers never race on one stream; the expected-sequence append is the second wall.
+
+use alloy_primitives::U256;
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::Amount;
+use custodian_store::{append_withdrawal_event, AppendError};
+use deadpool_postgres::{GenericClient, Transaction};
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Another writer appended first.
+    #[error(transparent)]
+    Conflict(#[from] AppendError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Reads a stored event back.
+pub fn event_from_row(event_type: &str, payload: &serde_json::Value) -> WithdrawalEvent {
+    WithdrawalEvent::from_stored(event_type, payload)
+        .unwrap_or_else(|e| panic!("BUG: stored {event_type} event does not decode: {e}"))
+}
+
+/// Appends `event` to `w`'s stream at its current sequence, applies it, and writes the projection.
+pub async fn append(tx: &Transaction<'_>, w: &mut Withdrawal, event: WithdrawalEvent) -> Result<(), StoreError> {
+    append_withdrawal_event(tx, w.id, w.last_seq, event.event_type(), &event.payload()).await?;
+    w.apply(&event);
+    write_projection(tx, w).await?;
+    Ok(())
+}
+
+/// Starts a stream with its `requested` event and inserts the projection row.
+pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Result<Withdrawal, StoreError> {
+    let w = Withdrawal::start(id, &first).expect("BUG: a stream starts with requested");
+    append_withdrawal_event(tx, id, 0, first.event_type(), &first.payload()).await?;
+    write_projection(tx, &w).await?;
+    Ok(w)
+}
+
+const UPSERT: &str = "
+insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, from_address,
+                        nonce, tx_hash, mined_block_hash, last_seq)
+values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+on conflict (id) do update set state = excluded.state, from_address = excluded.from_address, nonce = excluded.nonce,
+    tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
+    updated_at = now()";
+
+async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), tokio_postgres::Error> {
+    let nonce = w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"));
+    tx.execute(
+        UPSERT,
+        &[
+            &w.id,
+            &w.account_id,
+            &w.external_id,
+            &w.asset,
+            &w.destination,
+            &w.amount.units(),
+            &w.state.as_str(),
+            &w.lane,
+            &w.from_address,
+            &nonce,
+            &w.tx_hash,
+            &w.mined_block_hash,
+            &w.last_seq,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Every event of `id`, in order.
+pub async fn events<C: GenericClient>(client: &C, id: i64) -> Result<Vec<WithdrawalEvent>, tokio_postgres::Error> {
+    let rows = client
+        .query("select event_type, payload from withdrawal_event where withdrawal_id = $1 order by seq", &[&id])
+        .await?;
+    Ok(rows.iter().map(|r| event_from_row(r.get(0), &r.get(1))).collect())
+}
+
+/// Locks `id`'s projection row and folds its stream. `None` if there is no such withdrawal.
+///
+/// # Cancel safety
+/// Holds a row lock until the caller's transaction ends; cancelling rolls it back.
+pub async fn lock(tx: &Transaction<'_>, id: i64) -> Result<Option<Withdrawal>, tokio_postgres::Error> {
+    if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Withdrawal::fold(id, &events(tx, id).await?))
+}
+
+/// Folds `id`'s stream without locking.
+pub async fn load<C: GenericClient>(client: &C, id: i64) -> Result<Option<Withdrawal>, tokio_postgres::Error> {
+    Ok(Withdrawal::fold(id, &events(client, id).await?))
+}
+
+/// The kinds of transfer a withdrawal makes, each keyed `withdrawal:{id}:{kind}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Movement {
+    /// Request: debit the user, credit `withdrawal_holds`.
+    Hold,
+    /// Rejected, cancelled or failed on chain: the hold goes back to the user.
+    Release,
+    /// Confirmed: the held amount left custody.
+    Settle,
+    /// The real fee, paid from custody to the network.
+    Fee,
+}
+
+/// Posts one of a withdrawal's transfers; a second post of the same kind is a no-op.
+pub async fn post(
+    tx: &Transaction<'_>,
+    w: &Withdrawal,
+    movement: Movement,
+    fee: Amount,
+) -> Result<(), tokio_postgres::Error> {
+    let user = format!("user:{}", w.account_id);
+    let (kind, suffix, debit, credit, asset, amount) = match movement {
+        Movement::Hold => ("withdrawal_hold", "hold", user.as_str(), "withdrawal_holds", w.asset.as_str(), w.amount),
+        Movement::Release => {
+            ("withdrawal_release", "release", "withdrawal_holds", user.as_str(), w.asset.as_str(), w.amount)
+        }
+        Movement::Settle => ("withdrawal_settle", "settle", "withdrawal_holds", "custody", w.asset.as_str(), w.amount),
+        Movement::Fee => ("network_fee", "fee", "network_fees", "custody", "ETH", fee),
+    };
+    if amount.is_zero() {
+        return Ok(());
+    }
+    let key = format!("withdrawal:{}:{suffix}", w.id);
+    let created = tx
+        .query_opt(
+            "insert into ledger_transfer (idempotency_key, kind, reference)
+             values ($1, $2, jsonb_build_object('withdrawal_id', $3::bigint))
+             on conflict (idempotency_key) do nothing returning id",
+            &[&key, &kind, &w.id],
+        )
+        .await?;
+    if let Some(row) = created {
+        let transfer: i64 = row.get(0);
+        tx.execute(
+            "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+             values ($1, $2, $4, 'debit', $5), ($1, $3, $4, 'credit', $5)",
+            &[&transfer, &debit, &credit, &asset, &amount.units()],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// One signed payload of a withdrawal.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    /// Hash.
+    pub tx_hash: String,
+    /// `original`, `bump` or `cancel`.
+    pub kind: String,
+    /// Exact bytes.
+    pub raw: Vec<u8>,
+    /// Max fee per gas, wei.
+    pub max_fee: U256,
+}
+
+/// Every attempt of `id`, oldest first.
+pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attempt>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "select tx_hash, kind, raw_tx, max_fee from withdrawal_attempt where withdrawal_id = $1 order by created_at, tx_hash",
+            &[&id],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| Attempt { tx_hash: r.get(0), kind: r.get(1), raw: r.get(2), max_fee: r.get(3) }).collect())
+}
+
+/// Records a signed payload.
+#[allow(clippy::too_many_arguments)]
+pub async fn insert_attempt(
+    tx: &Transaction<'_>,
+    w: &Withdrawal,
+    from: &str,
+    nonce: u64,
+    kind: &str,
+    hash: &str,
+    raw: &[u8],
+    max_fee: U256,
+    priority_fee: U256,
+) -> Result<(), tokio_postgres::Error> {
+    tx.execute(
+        "insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
+         values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8)",
+        &[&hash, &w.id, &from, &i64::try_from(nonce).expect("BUG: nonce beyond i64"), &kind, &raw, &max_fee, &priority_fee],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Ids of the lane's withdrawals in one of `states`, oldest first.
+pub async fn in_states<C: GenericClient>(
+    client: &C,
+    lane: &str,
+    states: &[WithdrawalState],
+) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+    let rows = client
+        .query(
+            "select id from withdrawal where chain = 'eth' and lane = $1 and state = any($2) order by id",
+            &[&lane, &states],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Pauses a lane with a reason (kept if already paused).
+pub async fn pause_lane<C: GenericClient>(client: &C, lane: &str, reason: &str) -> Result<bool, tokio_postgres::Error> {
+    let paused = client
+        .execute(
+            "update hot_wallet set paused_at = now(), pause_reason = $2 where chain = 'eth' and lane = $1 and paused_at is null",
+            &[&lane, &reason],
+        )
+        .await?;
+    if paused > 0 {
+        tracing::error!(lane, reason, "ALERT: lane paused");
+        metrics::gauge!("custodian_lanes_paused").increment(1.0);
+    }
+    Ok(paused > 0)
+}

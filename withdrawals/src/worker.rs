@@ -1,0 +1,687 @@
+//! The withdrawal worker: one pass per lane of settle, nonce-cursor check, simulate and
+//! allocate-and-sign, cancel replacements, broadcast, and fee bumps.
+//!
+//! Node calls happen before or after database transactions, never inside one. Allocation is one
+//! transaction per lane batch that locks the `hot_wallet` row, assigns consecutive nonces, signs
+//! locally and stores every payload before committing: a crash before commit consumes nothing,
+//! and after commit the stored bytes are what gets sent, however often.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use alloy::consensus::{TxEip1559, TxEnvelope};
+use alloy::eips::eip2718::Decodable2718;
+use alloy_primitives::{Address, Bytes, TxKind, U256};
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::Amount;
+use custodian_store::Pool;
+use serde::Serialize;
+
+use crate::hot_wallet::{self, Lane};
+use crate::rpc::{EthNode, NodeError};
+use crate::signer::{Signer, SignerError};
+use crate::sql::{self, Movement, StoreError};
+
+/// Gas of a plain ether transfer.
+pub const TRANSFER_GAS: u64 = 21_000;
+
+/// How the worker paces and prices its work.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Withdrawals signed per lane per transaction at most.
+    pub batch_size: i64,
+    /// Blocks an attempt may stay unmined before a sibling with higher fees is signed.
+    pub bump_after_blocks: u64,
+    /// No attempt pays more than this per gas, wei.
+    pub max_fee_per_gas_wei: U256,
+    /// Blocks on top of (and including) the mined block before a withdrawal is confirmed.
+    pub confirmations: u64,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            batch_size: 64,
+            bump_after_blocks: 3,
+            max_fee_per_gas_wei: U256::from(500_000_000_000u64),
+            confirmations: 12,
+        }
+    }
+}
+
+/// Why a pass stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkError {
+    /// A node call failed; the pass is retried later.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// Signing failed.
+    #[error(transparent)]
+    Sign(#[from] SignerError),
+    /// The lane's key does not belong to its address.
+    #[error("the key configured for lane {lane} signs for {key_address}, but the lane's address is {lane_address}")]
+    WrongKey {
+        /// Lane.
+        lane: String,
+        /// What the key signs for.
+        key_address: String,
+        /// What the database says.
+        lane_address: String,
+    },
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(String),
+}
+
+impl From<tokio_postgres::Error> for WorkError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for WorkError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+impl From<StoreError> for WorkError {
+    fn from(e: StoreError) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+/// What one pass did, summed over lanes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PassReport {
+    /// Withdrawals rejected by simulation.
+    pub rejected: u64,
+    /// Withdrawals signed (nonces allocated).
+    pub signed: u64,
+    /// First broadcasts accepted.
+    pub broadcast: u64,
+    /// Stored bytes sent again.
+    pub rebroadcast: u64,
+    /// Sibling attempts with higher fees.
+    pub bumped: u64,
+    /// Cancel replacements signed.
+    pub cancel_attempts: u64,
+    /// Attempts found mined.
+    pub mined: u64,
+    /// Mined attempts whose block was reorged out.
+    pub unmined: u64,
+    /// Settled.
+    pub confirmed: u64,
+    /// Mined with status 0.
+    pub failed_onchain: u64,
+    /// Cancelled by a replacement that mined.
+    pub cancelled: u64,
+    /// Flagged for a person.
+    pub needs_review: u64,
+    /// Lanes paused by this pass.
+    pub paused_lanes: Vec<String>,
+}
+
+/// The worker for every ETH lane it holds a key for.
+pub struct Worker {
+    pool: Pool,
+    node: EthNode,
+    signers: HashMap<String, Arc<dyn Signer>>,
+    config: WorkerConfig,
+}
+
+/// `to`, `value` and calldata of the payout a withdrawal asks for.
+pub fn payout_call(w: &Withdrawal) -> (Address, U256, Bytes) {
+    let destination: Address = w.destination.parse().expect("BUG: stored destination is not an address");
+    match w.asset.strip_prefix("eth:") {
+        None => (destination, w.amount.units(), Bytes::new()),
+        Some(contract) => {
+            let contract: Address = contract.parse().expect("BUG: stored asset key is not an address");
+            let mut data = Vec::with_capacity(68);
+            data.extend_from_slice(&[0xa9, 0x05, 0x9c, 0xbb]); // transfer(address,uint256)
+            data.extend_from_slice(&[0u8; 12]);
+            data.extend_from_slice(destination.as_slice());
+            data.extend_from_slice(&w.amount.units().to_be_bytes::<32>());
+            (contract, U256::ZERO, Bytes::from(data))
+        }
+    }
+}
+
+/// Fees for a new attempt: twice the base fee plus the tip, within the cap.
+fn fresh_fees(base: U256, tip: U256, cap: U256) -> (U256, U256) {
+    let max_fee = base.saturating_mul(U256::from(2)).saturating_add(tip).min(cap);
+    (max_fee, tip.min(max_fee))
+}
+
+/// At least 12.5% more than `old` (geth requires 10%), rounded up.
+fn raised(old: U256) -> U256 {
+    old.saturating_add(old.div_ceil(U256::from(8))).max(old.saturating_add(U256::from(1)))
+}
+
+fn hex(value: impl std::fmt::LowerHex) -> String {
+    format!("{value:#x}")
+}
+
+fn decode(raw: &[u8]) -> TxEip1559 {
+    let envelope = TxEnvelope::decode_2718(&mut &raw[..]).expect("BUG: a stored attempt does not decode");
+    envelope.as_eip1559().expect("BUG: attempts are EIP-1559").tx().clone()
+}
+
+/// States in which a withdrawal has a nonce but no mined attempt yet.
+const UNMINED: [WithdrawalState; 3] =
+    [WithdrawalState::Signed, WithdrawalState::Broadcast, WithdrawalState::CancelRequested];
+
+/// What broadcasting stored bytes came to.
+enum Sent {
+    Accepted,
+    Pending,
+}
+
+impl Worker {
+    /// A worker signing for `signers` (lane name → signer).
+    pub fn new(pool: Pool, node: EthNode, signers: HashMap<String, Arc<dyn Signer>>, config: WorkerConfig) -> Worker {
+        Worker { pool, node, signers, config }
+    }
+
+    /// One pass over every lane this worker holds a key for.
+    pub async fn pass(&self) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let lanes = hot_wallet::lanes(&self.pool.get().await?).await?;
+        let chain_id = self.node.chain_id().await?;
+        for lane in lanes {
+            let Some(signer) = self.signers.get(&lane.lane) else { continue };
+            if hex(signer.address()) != lane.address {
+                return Err(WorkError::WrongKey {
+                    lane: lane.lane,
+                    key_address: hex(signer.address()),
+                    lane_address: lane.address,
+                });
+            }
+            self.settle(&lane, &mut report).await?;
+            self.check_cursor(&lane, &mut report).await?;
+            let lane = hot_wallet::lanes(&self.pool.get().await?)
+                .await?
+                .into_iter()
+                .find(|l| l.lane == lane.lane)
+                .expect("BUG: a lane disappeared");
+            if lane.pause_reason.is_some() {
+                continue;
+            }
+            self.allocate(&lane, signer.as_ref(), chain_id, &mut report).await?;
+            self.cancel_attempts(&lane, signer.as_ref(), &mut report).await?;
+            self.broadcast(&lane, &mut report).await?;
+            self.bump(&lane, signer.as_ref(), &mut report).await?;
+        }
+        Ok(report)
+    }
+
+    /// Only the allocate-and-sign step for one lane (its simulation included): what a process
+    /// that dies right after committing would have done. Operators use `pass`.
+    pub async fn allocate_lane(&self, lane: &Lane) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let chain_id = self.node.chain_id().await?;
+        if let Some(signer) = self.signers.get(&lane.lane) {
+            self.allocate(lane, signer.as_ref(), chain_id, &mut report).await?;
+        }
+        Ok(report)
+    }
+
+    /// Appends `event` to `id` under its row lock, with the transfers it implies, if the locked
+    /// withdrawal still passes `still` (another worker may have moved it since it was read: then
+    /// nothing is written and `false` is returned).
+    async fn record(
+        &self,
+        id: i64,
+        still: impl Fn(&Withdrawal) -> bool,
+        event: WithdrawalEvent,
+        movements: &[(Movement, Amount)],
+    ) -> Result<bool, WorkError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let mut w = sql::lock(&tx, id).await?.expect("BUG: recording on a missing withdrawal");
+        if !still(&w) {
+            return Ok(false);
+        }
+        let state = event.event_type();
+        sql::append(&tx, &mut w, event).await?;
+        for (movement, fee) in movements {
+            sql::post(&tx, &w, *movement, *fee).await?;
+        }
+        tx.commit().await?;
+        metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
+        Ok(true)
+    }
+
+    async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
+        if sql::pause_lane(&self.pool.get().await?, &lane.lane, reason).await? {
+            report.paused_lanes.push(lane.lane.clone());
+        }
+        Ok(())
+    }
+
+    /// Which attempt mined, once the address's mined nonce count passes a withdrawal's nonce;
+    /// then confirmation depth, status, and reorgs of mined attempts.
+    async fn settle(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
+        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let mined_count = self.node.nonce(address, false).await?;
+        let head = self.node.block_number().await?;
+        let client = self.pool.get().await?;
+        let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
+        for id in waiting {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else { continue };
+            let mut found = None;
+            for attempt in sql::attempts(&client, id).await? {
+                if let Some(receipt) = self.node.receipt(attempt.tx_hash.parse().expect("BUG: stored hash")).await? {
+                    found = Some((attempt, receipt));
+                    break;
+                }
+            }
+            match found {
+                Some((attempt, receipt)) => {
+                    let event = WithdrawalEvent::Mined {
+                        tx_hash: attempt.tx_hash,
+                        block_hash: hex(receipt.block_hash),
+                        block_number: receipt.block_number,
+                    };
+                    if self.record(id, |w| UNMINED.contains(&w.state), event, &[]).await? {
+                        report.mined += 1;
+                    }
+                }
+                None => {
+                    let reason = format!(
+                        "nonce {nonce} of {} was used by a transaction this service did not sign",
+                        lane.address
+                    );
+                    metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+                        .increment(1);
+                    tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
+                    if self
+                        .record(
+                            id,
+                            |w| UNMINED.contains(&w.state),
+                            WithdrawalEvent::NeedsReview { reason: reason.clone() },
+                            &[],
+                        )
+                        .await?
+                    {
+                        report.needs_review += 1;
+                        self.pause(lane, &format!("needs review: {reason}"), report).await?;
+                    }
+                }
+            }
+        }
+        for id in sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await? {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let tx_hash = w.tx_hash.clone().expect("BUG: mined without a hash");
+            let mined_in = w.mined_block_hash.clone().expect("BUG: mined without a block");
+            let expected = mined_in.clone();
+            let still_mined_there = move |w: &Withdrawal| {
+                w.state == WithdrawalState::Mined && w.mined_block_hash.as_deref() == Some(expected.as_str())
+            };
+            let receipt = self.node.receipt(tx_hash.parse().expect("BUG: stored hash")).await?;
+            let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
+                tracing::warn!(withdrawal = id, %tx_hash, block = %mined_in, "mined block reorged out; the same bytes go out again");
+                if self
+                    .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in }, &[])
+                    .await?
+                {
+                    report.unmined += 1;
+                }
+                continue;
+            };
+            if head + 1 < receipt.block_number + self.config.confirmations {
+                continue;
+            }
+            let fee = Amount::from_units(receipt.fee);
+            let is_cancel =
+                sql::attempts(&client, id).await?.iter().any(|a| a.tx_hash == tx_hash && a.kind == "cancel");
+            if is_cancel {
+                let event = WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee };
+                if self
+                    .record(id, &still_mined_there, event, &[(Movement::Fee, fee), (Movement::Release, Amount::ZERO)])
+                    .await?
+                {
+                    report.cancelled += 1;
+                }
+            } else if receipt.success {
+                let event = WithdrawalEvent::Confirmed { tx_hash, block_hash: mined_in, fee };
+                if self
+                    .record(id, &still_mined_there, event, &[(Movement::Settle, Amount::ZERO), (Movement::Fee, fee)])
+                    .await?
+                {
+                    report.confirmed += 1;
+                }
+            } else {
+                let event = WithdrawalEvent::FailedOnchain { tx_hash, block_hash: mined_in, fee };
+                if self
+                    .record(id, &still_mined_there, event, &[(Movement::Fee, fee), (Movement::Release, Amount::ZERO)])
+                    .await?
+                {
+                    report.failed_onchain += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pending nonce above our cursor means the key signed something we did not allocate.
+    async fn check_cursor(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
+        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let pending = self.node.nonce(address, true).await?;
+        // Read our cursor after the node: every nonce the node has seen from us was committed
+        // before it was sent, so a cursor read now covers it (a cursor read earlier, with other
+        // workers allocating meanwhile, would not).
+        let next: i64 = self
+            .pool
+            .get()
+            .await?
+            .query_one("select next_nonce from hot_wallet where chain = 'eth' and lane = $1", &[&lane.lane])
+            .await?
+            .get(0);
+        let next = u64::try_from(next).expect("BUG: negative nonce");
+        if pending > next {
+            let reason =
+                format!("chain nonce {pending} is above our next nonce {next}: the key was used outside the service");
+            metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+                .increment(1);
+            self.pause(lane, &reason, report).await?;
+        }
+        Ok(())
+    }
+
+    /// Simulates what needs it, then allocates consecutive nonces and signs in one transaction.
+    async fn allocate(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        chain_id: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let mut candidates = sql::in_states(&client, &lane.lane, &[WithdrawalState::Requested]).await?;
+        candidates.truncate(usize::try_from(self.config.batch_size).expect("BUG: negative batch"));
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let mut gas = HashMap::new();
+        for id in &candidates {
+            let w = sql::load(&client, *id).await?.expect("BUG: listed withdrawal has no events");
+            let (to, value, data) = payout_call(&w);
+            if data.is_empty() {
+                gas.insert(*id, TRANSFER_GAS);
+                continue;
+            }
+            match self.node.estimate_gas(signer.address(), to, value, &data).await {
+                Ok(estimate) => {
+                    gas.insert(*id, estimate + estimate / 5);
+                }
+                Err(e) if e.is_revert() => {
+                    let reason = format!("simulation reverted: {e}");
+                    let rejected = WithdrawalEvent::Rejected { reason };
+                    if self
+                        .record(
+                            *id,
+                            |w| w.state == WithdrawalState::Requested,
+                            rejected,
+                            &[(Movement::Release, Amount::ZERO)],
+                        )
+                        .await?
+                    {
+                        report.rejected += 1;
+                    }
+                }
+                Err(e) => tracing::warn!(withdrawal = id, "simulation failed, retried next pass (no nonce used): {e}"),
+            }
+        }
+        let (base, tip) = self.node.fees().await?;
+        let (max_fee, priority_fee) = fresh_fees(base, tip, self.config.max_fee_per_gas_wei);
+        let head = self.node.block_number().await?;
+        drop(client);
+
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let row = tx
+            .query_one(
+                "select next_nonce, paused_at is not null from hot_wallet where chain = 'eth' and lane = $1 for update",
+                &[&lane.lane],
+            )
+            .await?;
+        let (mut nonce, paused): (i64, bool) = (row.get(0), row.get(1));
+        if paused {
+            return Ok(());
+        }
+        let ready: Vec<i64> = gas.keys().copied().collect();
+        let rows = tx
+            .query(
+                "select id from withdrawal where id = any($1) and state = 'requested' order by id for update skip locked",
+                &[&ready],
+            )
+            .await?;
+        let mut signed = 0;
+        for row in rows {
+            let id: i64 = row.get(0);
+            let mut w = sql::load(&tx, id).await?.expect("BUG: locked withdrawal has no events");
+            let (to, value, input) = payout_call(&w);
+            let unsigned = TxEip1559 {
+                chain_id,
+                nonce: u64::try_from(nonce).expect("BUG: negative nonce"),
+                gas_limit: gas[&id],
+                max_fee_per_gas: max_fee.to::<u128>(),
+                max_priority_fee_per_gas: priority_fee.to::<u128>(),
+                to: TxKind::Call(to),
+                value,
+                input,
+                ..Default::default()
+            };
+            let signed_tx = signer.sign(unsigned)?;
+            let hash = hex(signed_tx.hash);
+            // The primary key (chain, from_address, nonce) is the last word on double allocation.
+            tx.execute(
+                "insert into nonce_allocation (chain, from_address, nonce, withdrawal_id) values ('eth', $1, $2, $3)",
+                &[&lane.address, &nonce, &id],
+            )
+            .await?;
+            let nonce_u64 = u64::try_from(nonce).expect("BUG: negative nonce");
+            sql::insert_attempt(
+                &tx,
+                &w,
+                &lane.address,
+                nonce_u64,
+                "original",
+                &hash,
+                &signed_tx.raw,
+                max_fee,
+                priority_fee,
+            )
+            .await?;
+            sql::append(
+                &tx,
+                &mut w,
+                WithdrawalEvent::Signed {
+                    from_address: lane.address.clone(),
+                    nonce: nonce_u64,
+                    tx_hash: hash,
+                    at_block: head,
+                },
+            )
+            .await?;
+            nonce += 1;
+            signed += 1;
+        }
+        tx.execute("update hot_wallet set next_nonce = $2 where chain = 'eth' and lane = $1", &[&lane.lane, &nonce])
+            .await?;
+        tx.commit().await?;
+        report.signed += signed;
+        metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
+        Ok(())
+    }
+
+    /// Signs a sibling of the latest attempt: same nonce, fees raised at least 12.5%. `cancel`
+    /// turns it into a zero-value transfer to ourselves.
+    async fn sibling(&self, lane: &Lane, signer: &dyn Signer, id: i64, cancel: bool) -> Result<bool, WorkError> {
+        let (base, tip) = self.node.fees().await?;
+        let head = self.node.block_number().await?;
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let Some(mut w) = sql::lock(&tx, id).await? else { return Ok(false) };
+        let wanted = if cancel { WithdrawalState::CancelRequested } else { WithdrawalState::Broadcast };
+        if w.state != wanted {
+            return Ok(false);
+        }
+        let attempts = sql::attempts(&tx, id).await?;
+        if cancel && attempts.iter().any(|a| a.kind == "cancel") {
+            return Ok(false);
+        }
+        let latest = attempts.last().expect("BUG: a signed withdrawal without attempts");
+        let previous = decode(&latest.raw);
+        let cap = self.config.max_fee_per_gas_wei;
+        let (fresh_max, fresh_tip) = fresh_fees(base, tip, cap);
+        let old_tip = U256::from(previous.max_priority_fee_per_gas);
+        let old_max = U256::from(previous.max_fee_per_gas);
+        let priority_fee = raised(old_tip).max(fresh_tip).min(cap);
+        let max_fee = raised(old_max).max(fresh_max).max(priority_fee).min(cap);
+        if priority_fee < raised(old_tip) || max_fee < raised(old_max) {
+            tracing::warn!(withdrawal = id, cap = %cap, "cannot raise fees by 12.5% within the configured maximum");
+            return Ok(false);
+        }
+        let mut next = previous.clone();
+        next.max_fee_per_gas = max_fee.to::<u128>();
+        next.max_priority_fee_per_gas = priority_fee.to::<u128>();
+        if cancel {
+            next.to = TxKind::Call(signer.address());
+            next.value = U256::ZERO;
+            next.input = Bytes::new();
+            next.gas_limit = TRANSFER_GAS;
+        }
+        let signed = signer.sign(next)?;
+        let hash = hex(signed.hash);
+        let kind = if cancel { "cancel" } else { "bump" };
+        sql::insert_attempt(&tx, &w, &lane.address, previous.nonce, kind, &hash, &signed.raw, max_fee, priority_fee)
+            .await?;
+        sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: hash.clone(), at_block: head }).await?;
+        tx.commit().await?;
+        metrics::counter!("custodian_bumps_total", "kind" => kind).increment(1);
+        match self.node.send_raw(&signed.raw).await {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(withdrawal = id, %hash, "sending the {kind} attempt failed; retried next pass: {e}")
+            }
+        }
+        Ok(true)
+    }
+
+    /// Cancel replacements for withdrawals whose cancel was requested after signing.
+    async fn cancel_attempts(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let ids = sql::in_states(&self.pool.get().await?, &lane.lane, &[WithdrawalState::CancelRequested]).await?;
+        for id in ids {
+            if self.sibling(lane, signer, id, true).await? {
+                report.cancel_attempts += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends stored bytes: first broadcasts, and again whenever the node no longer knows them.
+    async fn broadcast(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let ids = sql::in_states(&client, &lane.lane, &UNMINED).await?;
+        for id in ids {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let attempts = sql::attempts(&client, id).await?;
+            let Some(latest) = attempts.last() else { continue };
+            let hash = latest.tx_hash.parse().expect("BUG: stored hash");
+            if w.state != WithdrawalState::Signed && self.node.knows(hash).await? {
+                continue;
+            }
+            match self.send(lane, &latest.raw, report).await? {
+                Sent::Accepted if w.state == WithdrawalState::Signed => {
+                    let event = WithdrawalEvent::Broadcast { tx_hash: latest.tx_hash.clone() };
+                    if self.record(id, |w| w.state == WithdrawalState::Signed, event, &[]).await? {
+                        report.broadcast += 1;
+                    }
+                }
+                Sent::Accepted => {
+                    tracing::info!(withdrawal = id, tx = %latest.tx_hash, "the node had lost the attempt; sent the same bytes again");
+                    report.rebroadcast += 1;
+                }
+                Sent::Pending => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends bytes and classifies the node's answer (DESIGN §7.4).
+    async fn send(&self, lane: &Lane, raw: &[u8], report: &mut PassReport) -> Result<Sent, WorkError> {
+        match self.node.send_raw(raw).await {
+            Ok(_) => Ok(Sent::Accepted),
+            Err(e) => {
+                let message = e.message();
+                if ["already known", "known transaction", "transaction already exists", "already imported"]
+                    .iter()
+                    .any(|m| message.contains(m))
+                {
+                    Ok(Sent::Accepted)
+                } else if message.contains("nonce too low") {
+                    // Benign for the broadcaster (settlement decides), but outside a slot that was
+                    // just settled it is the signature of double allocation: count it.
+                    metrics::counter!("custodian_nonce_too_low_total", "address" => lane.address.clone()).increment(1);
+                    Ok(Sent::Pending)
+                } else if message.contains("insufficient funds") {
+                    self.pause(lane, &format!("hot wallet cannot pay: {e}"), report).await?;
+                    Ok(Sent::Pending)
+                } else {
+                    // Underpriced replacements wait for a bump; transport errors for the next pass.
+                    tracing::warn!(lane = %lane.lane, "broadcast not accepted, retried next pass: {e}");
+                    Ok(Sent::Pending)
+                }
+            }
+        }
+    }
+
+    /// Bumps attempts unmined for `bump_after_blocks`.
+    async fn bump(&self, lane: &Lane, signer: &dyn Signer, report: &mut PassReport) -> Result<(), WorkError> {
+        let head = self.node.block_number().await?;
+        let client = self.pool.get().await?;
+        for id in sql::in_states(&client, &lane.lane, &[WithdrawalState::Broadcast]).await? {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let Some(at) = w.attempt_at_block else { continue };
+            if head < at + self.config.bump_after_blocks {
+                continue;
+            }
+            if let Some(hash) = &w.tx_hash {
+                if self.node.receipt(hash.parse().expect("BUG: stored hash")).await?.is_some() {
+                    continue;
+                }
+            }
+            if self.sibling(lane, signer, id, false).await? {
+                report.bumped += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bumps_raise_by_at_least_an_eighth_and_fresh_fees_respect_the_cap() {
+        for (old, expected) in
+            [(0u64, 1u64), (1, 2), (8, 9), (9, 11), (1_000_000_000, 1_125_000_000), (1_000_000_001, 1_125_000_002)]
+        {
+            assert_eq!(raised(U256::from(old)), U256::from(expected), "raised({old})");
+            assert!(raised(U256::from(old)) * U256::from(8) >= U256::from(old) * U256::from(9));
+        }
+        let cap = U256::from(100u64);
+        assert_eq!(fresh_fees(U256::from(10u64), U256::from(2u64), cap), (U256::from(22u64), U256::from(2u64)));
+        assert_eq!(fresh_fees(U256::from(60u64), U256::from(2u64), cap), (cap, U256::from(2u64)));
+        assert_eq!(fresh_fees(U256::from(60u64), U256::from(200u64), cap), (cap, cap));
+    }
+}
