@@ -167,6 +167,66 @@ fn decode(raw: &[u8]) -> TxEip1559 {
     envelope.as_eip1559().expect("BUG: attempts are EIP-1559").tx().clone()
 }
 
+/// Fees and context of one allocation round, read from the node before the transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct Pricing {
+    /// EIP-155 chain id.
+    pub chain_id: u64,
+    /// Max fee per gas, wei.
+    pub max_fee: U256,
+    /// Max priority fee per gas, wei.
+    pub priority_fee: U256,
+    /// Chain head when signing.
+    pub head: u64,
+}
+
+/// The columns of one signed batch, as arrays for set-based statements.
+#[derive(Default)]
+struct SignedBatch {
+    ids: Vec<i64>,
+    nonces: Vec<i64>,
+    seqs: Vec<i32>,
+    payloads: Vec<serde_json::Value>,
+    hashes: Vec<String>,
+    raws: Vec<Vec<u8>>,
+}
+
+/// The lane's cursor (locked) and, in nonce order, the ready withdrawals still requested that no
+/// other worker holds (locked, skipping locked ones). The lane row comes back even when no
+/// withdrawal does (its withdrawal columns null).
+const LOCK_LANE_AND_WITHDRAWALS: &str = "
+with lane as (
+    select next_nonce, paused_at is not null as paused from hot_wallet where chain = 'eth' and lane = $1 for update
+), ready as (
+    select id, account_id, asset, destination, amount, last_seq from withdrawal
+     where id = any($2) and state = 'requested' and lane = $1
+     order by id for update skip locked
+)
+select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq
+  from lane left join ready on true
+ order by ready.id";
+
+const INSERT_ALLOCATIONS: &str = "
+insert into nonce_allocation (chain, from_address, nonce, withdrawal_id)
+select 'eth', $1, n.nonce, n.id from unnest($2::bigint[], $3::bigint[]) as n(nonce, id)";
+
+const INSERT_ATTEMPTS: &str = "
+insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
+select a.hash, a.id, 'eth', $3, a.nonce, 'original', a.raw, $6, $7
+  from unnest($1::text[], $2::bigint[], $4::bigint[], $5::bytea[]) as a(hash, id, nonce, raw)";
+
+const APPEND_SIGNED: &str = "
+insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+select e.id, e.seq, 'signed', e.payload from unnest($1::bigint[], $2::int[], $3::jsonb[]) as e(id, seq, payload)";
+
+const PROJECT_SIGNED: &str = "
+update withdrawal w set state = 'signed', from_address = $3, nonce = p.nonce, tx_hash = p.hash, last_seq = p.seq,
+       updated_at = now()
+  from unnest($1::bigint[], $2::int[], $4::bigint[], $5::text[]) as p(id, seq, nonce, hash)
+ where w.id = p.id";
+
+const ADVANCE_NONCE: &str = "update hot_wallet set next_nonce = $2 where chain = 'eth' and lane = $1";
+
 /// States in which a withdrawal has a nonce but no mined attempt yet.
 const UNMINED: [WithdrawalState; 3] =
     [WithdrawalState::Signed, WithdrawalState::Broadcast, WithdrawalState::CancelRequested];
@@ -438,35 +498,67 @@ impl Worker {
         let (max_fee, priority_fee) = fresh_fees(base, tip, self.config.max_fee_per_gas_wei);
         let head = self.node.block_number().await?;
         drop(client);
+        let pricing = Pricing { chain_id, max_fee, priority_fee, head };
+        let mut ready: Vec<(i64, u64)> = gas.into_iter().collect();
+        ready.sort_unstable();
+        report.signed += self.sign_batch(lane, signer, &pricing, &ready).await?;
+        Ok(())
+    }
 
+    /// The allocation transaction itself: lock the lane's `hot_wallet` row, take the `ready`
+    /// withdrawals still `requested` (skipping any another worker holds), assign consecutive
+    /// nonces, sign locally, store every payload, advance the cursor, commit. No network call.
+    /// Returns how many were signed.
+    ///
+    /// # Cancel safety
+    /// One transaction: cancelled or crashed before commit, no nonce is consumed.
+    pub async fn sign_batch(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        pricing: &Pricing,
+        ready: &[(i64, u64)],
+    ) -> Result<u64, WorkError> {
+        let Pricing { chain_id, max_fee, priority_fee, head } = *pricing;
+        let gas: HashMap<i64, u64> = ready.iter().copied().collect();
+        let ids: Vec<i64> = ready.iter().map(|(id, _)| *id).collect();
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let row = tx
-            .query_one(
-                "select next_nonce, paused_at is not null from hot_wallet where chain = 'eth' and lane = $1 for update",
-                &[&lane.lane],
-            )
-            .await?;
-        let (mut nonce, paused): (i64, bool) = (row.get(0), row.get(1));
+        // One round trip: lock the lane's row (every allocation on the lane serialises here), then
+        // the withdrawals still requested that no other worker holds.
+        let lock = tx.prepare_cached(LOCK_LANE_AND_WITHDRAWALS).await?;
+        let rows = tx.query(&lock, &[&lane.lane, &ids]).await?;
+        let Some(first) = rows.first() else { return Ok(0) };
+        let (next_nonce, paused): (i64, bool) = (first.get(0), first.get(1));
         if paused {
-            return Ok(());
+            return Ok(0);
         }
-        let ready: Vec<i64> = gas.keys().copied().collect();
-        let rows = tx
-            .query(
-                "select id from withdrawal where id = any($1) and state = 'requested' order by id for update skip locked",
-                &[&ready],
-            )
-            .await?;
-        let mut signed = 0;
-        for row in rows {
-            let id: i64 = row.get(0);
-            let mut w = sql::load(&tx, id).await?.expect("BUG: locked withdrawal has no events");
+        let mut batch = SignedBatch::default();
+        let mut nonce = next_nonce;
+        for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
+            let w = Withdrawal {
+                id: row.get(2),
+                account_id: row.get(3),
+                external_id: String::new(),
+                asset: row.get(4),
+                destination: row.get(5),
+                amount: Amount::from_units(row.get::<_, U256>(6)),
+                state: WithdrawalState::Requested,
+                lane: lane.lane.clone(),
+                from_address: None,
+                nonce: None,
+                tx_hash: None,
+                mined_block_hash: None,
+                last_seq: row.get(7),
+                state_before_cancel: None,
+                attempt_at_block: None,
+            };
             let (to, value, input) = payout_call(&w);
+            let nonce_u64 = u64::try_from(nonce).expect("BUG: negative nonce");
             let unsigned = TxEip1559 {
                 chain_id,
-                nonce: u64::try_from(nonce).expect("BUG: negative nonce"),
-                gas_limit: gas[&id],
+                nonce: nonce_u64,
+                gas_limit: gas[&w.id],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
                 to: TxKind::Call(to),
@@ -476,45 +568,52 @@ impl Worker {
             };
             let signed_tx = signer.sign(unsigned)?;
             let hash = hex(signed_tx.hash);
-            // The primary key (chain, from_address, nonce) is the last word on double allocation.
-            tx.execute(
-                "insert into nonce_allocation (chain, from_address, nonce, withdrawal_id) values ('eth', $1, $2, $3)",
-                &[&lane.address, &nonce, &id],
-            )
-            .await?;
-            let nonce_u64 = u64::try_from(nonce).expect("BUG: negative nonce");
-            sql::insert_attempt(
-                &tx,
-                &w,
-                &lane.address,
-                nonce_u64,
-                "original",
-                &hash,
-                &signed_tx.raw,
-                max_fee,
-                priority_fee,
-            )
-            .await?;
-            sql::append(
-                &tx,
-                &mut w,
-                WithdrawalEvent::Signed {
-                    from_address: lane.address.clone(),
-                    nonce: nonce_u64,
-                    tx_hash: hash,
-                    at_block: head,
-                },
-            )
-            .await?;
+            let event = WithdrawalEvent::Signed {
+                from_address: lane.address.clone(),
+                nonce: nonce_u64,
+                tx_hash: hash.clone(),
+                at_block: head,
+            };
+            batch.ids.push(w.id);
+            batch.nonces.push(nonce);
+            batch.seqs.push(w.last_seq + 1);
+            batch.payloads.push(event.payload());
+            batch.hashes.push(hash);
+            batch.raws.push(signed_tx.raw);
             nonce += 1;
-            signed += 1;
         }
-        tx.execute("update hot_wallet set next_nonce = $2 where chain = 'eth' and lane = $1", &[&lane.lane, &nonce])
-            .await?;
+        let signed = batch.ids.len() as u64;
+        if signed == 0 {
+            return Ok(0);
+        }
+        // Everything else in one pipelined round trip. The primary key (chain, from_address,
+        // nonce) is the last word on double allocation; (withdrawal_id, seq) on the streams,
+        // whose rows we hold locked.
+        let (allocate, attempt, append, project, advance) = futures::try_join!(
+            tx.prepare_cached(INSERT_ALLOCATIONS),
+            tx.prepare_cached(INSERT_ATTEMPTS),
+            tx.prepare_cached(APPEND_SIGNED),
+            tx.prepare_cached(PROJECT_SIGNED),
+            tx.prepare_cached(ADVANCE_NONCE),
+        )?;
+        let allocate_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&lane.address, &batch.nonces, &batch.ids];
+        let attempt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&batch.hashes, &batch.ids, &lane.address, &batch.nonces, &batch.raws, &max_fee, &priority_fee];
+        let append_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&batch.ids, &batch.seqs, &batch.payloads];
+        let project_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&batch.ids, &batch.seqs, &lane.address, &batch.nonces, &batch.hashes];
+        let advance_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&lane.lane, &nonce];
+        futures::try_join!(
+            tx.execute(&allocate, &allocate_params),
+            tx.execute(&attempt, &attempt_params),
+            tx.execute(&append, &append_params),
+            tx.execute(&project, &project_params),
+            tx.execute(&advance, &advance_params),
+        )?;
         tx.commit().await?;
-        report.signed += signed;
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
-        Ok(())
+        Ok(signed)
     }
 
     /// Signs a sibling of the latest attempt: same nonce, fees raised at least 12.5%. `cancel`

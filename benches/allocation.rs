@@ -1,0 +1,209 @@
+//! Withdrawal allocation throughput: withdrawals allocated, signed and committed per second on
+//! one lane at batch sizes 1 and 64, and across 4 lanes, beside a ceiling measured in the same
+//! run on the same database with the same connection count: a loop of `select … for update`,
+//! `update next_nonce`, `commit` on one row. Only the allocation transaction is timed (fees and
+//! chain id are fixed inputs; no node is involved). `ALLOCATION_SCALE` (default 1) multiplies the
+//! counts.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use alloy_primitives::U256;
+use custodian_domain::{Amount, EthAddress};
+use custodian_testkit::TestDb;
+use custodian_withdrawals::hot_wallet::{self, Lane};
+use custodian_withdrawals::request::{self, Request};
+use custodian_withdrawals::worker::Pricing;
+use custodian_withdrawals::{EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+
+/// anvil's dev keys 1–4 (well-known test keys).
+const KEYS: [&str; 4] = [
+    "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d",
+    "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a",
+    "0x7c852118294e51e653712a81e05800f419141751be58f605c371e15141b007a6",
+    "0x47e179ec197488593b187f80a00eb0da91f1c9b0b05dc5c2a8d7a1a2e1c3c1f6",
+];
+
+fn per_second(count: u64, elapsed: Duration) -> u64 {
+    (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
+}
+
+fn ratio(ours: u64, ceiling: u64) -> String {
+    let hundredths = ours * 100 / ceiling.max(1);
+    format!("{}.{:02}", hundredths / 100, hundredths % 100)
+}
+
+struct Setup {
+    db: TestDb,
+    worker: Arc<Worker>,
+    lanes: Vec<Lane>,
+    signers: Vec<Arc<dyn Signer>>,
+}
+
+async fn setup(lanes: usize, withdrawals: u64) -> Setup {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let mut signers: Vec<Arc<dyn Signer>> = Vec::new();
+    let mut by_lane: HashMap<String, Arc<dyn Signer>> = HashMap::new();
+    for (i, key) in KEYS.iter().take(lanes).enumerate() {
+        let signer: Arc<dyn Signer> = Arc::new(LocalSigner::from_hex(key).unwrap());
+        client
+            .execute(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, $2, 0)",
+                &[&format!("{:#x}", signer.address()), &format!("lane{i}")],
+            )
+            .await
+            .unwrap();
+        by_lane.insert(format!("lane{i}"), signer.clone());
+        signers.push(signer);
+    }
+    client
+        .batch_execute(
+            "insert into account (external_ref) values ('bench');
+             begin;
+             insert into ledger_transfer (idempotency_key, kind) values ('adj:bench', 'adjustment');
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                 (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 1000000000000000000000000),
+                 (currval('ledger_transfer_id_seq'), 'user:1', 'ETH', 'credit', 1000000000000000000000000);
+             commit;",
+        )
+        .await
+        .unwrap();
+    let mut pooled = db.pool.get().await.unwrap();
+    for n in 0..withdrawals {
+        let r = Request {
+            account_id: 1,
+            external_id: format!("bench-{n}"),
+            asset: "ETH".into(),
+            destination: EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap(),
+            amount: Amount::from_u64(1_000 + n),
+        };
+        request::request(&mut pooled, &r).await.unwrap();
+    }
+    drop(pooled);
+    let node = EthNode::new("http://127.0.0.1:9").unwrap(); // never called: pricing is given
+    let worker = Arc::new(Worker::new(db.pool.clone(), node, by_lane, WorkerConfig::default()));
+    let lanes = hot_wallet::lanes(&db.pool.get().await.unwrap()).await.unwrap();
+    Setup { db, worker, lanes, signers }
+}
+
+const PRICING: Pricing = Pricing {
+    chain_id: 31337,
+    max_fee: U256::from_limbs([2_000_000_000, 0, 0, 0]),
+    priority_fee: U256::from_limbs([1_000_000_000, 0, 0, 0]),
+    head: 1,
+};
+
+/// Allocates every requested withdrawal of `lane` in batches of `batch`; returns how many.
+async fn drain(worker: &Worker, db: &TestDb, lane: &Lane, signer: &dyn Signer, batch: i64) -> u64 {
+    let client = db.pool.get().await.unwrap();
+    let ids: Vec<i64> = client
+        .query("select id from withdrawal where lane = $1 and state = 'requested' order by id", &[&lane.lane])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    drop(client);
+    let mut signed = 0;
+    for chunk in ids.chunks(usize::try_from(batch).unwrap()) {
+        let ready: Vec<(i64, u64)> = chunk.iter().map(|id| (*id, 21_000)).collect();
+        signed += worker.sign_batch(lane, signer, &PRICING, &ready).await.unwrap();
+    }
+    signed
+}
+
+/// The ceiling: lock one row, bump it, commit, on `connections` connections (one row each).
+async fn ceiling(db: &TestDb, connections: usize, per_connection: u64) -> u64 {
+    let client = db.client().await;
+    for i in 0..connections {
+        client
+            .execute(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, $2, 0)",
+                &[&format!("0x{:040x}", 0xce11_0000u64 + i as u64), &format!("ceiling{i}")],
+            )
+            .await
+            .unwrap();
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..connections)
+        .map(|i| {
+            let url = db.url.clone();
+            tokio::spawn(async move {
+                let (mut client, connection) = url.config().connect(tokio_postgres::NoTls).await.unwrap();
+                tokio::spawn(connection);
+                let lane = format!("ceiling{i}");
+                for _ in 0..per_connection {
+                    let tx = client.transaction().await.unwrap();
+                    tx.query_one(
+                        "select next_nonce from hot_wallet where chain = 'eth' and lane = $1 for update",
+                        &[&lane],
+                    )
+                    .await
+                    .unwrap();
+                    tx.execute(
+                        "update hot_wallet set next_nonce = next_nonce + 1 where chain = 'eth' and lane = $1",
+                        &[&lane],
+                    )
+                    .await
+                    .unwrap();
+                    tx.commit().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    per_second(per_connection * connections as u64, started.elapsed())
+}
+
+#[tokio::main]
+async fn main() {
+    let scale: u64 = std::env::var("ALLOCATION_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+
+    let signer = LocalSigner::from_hex(KEYS[0]).unwrap();
+    let started = Instant::now();
+    for nonce in 0..1_000u64 {
+        let tx = alloy::consensus::TxEip1559 {
+            chain_id: 31337,
+            nonce,
+            gas_limit: 21_000,
+            max_fee_per_gas: 2,
+            ..Default::default()
+        };
+        std::hint::black_box(signer.sign(tx).unwrap());
+    }
+    println!("local EIP-1559 signing alone: {}/s", per_second(1_000, started.elapsed()));
+
+    let one = setup(1, 1_000 * scale).await;
+    let ceiling_1 = ceiling(&one.db, 1, 2_000 * scale).await;
+    let started = Instant::now();
+    let n = drain(&one.worker, &one.db, &one.lanes[0], one.signers[0].as_ref(), 1).await;
+    let batch_1 = per_second(n, started.elapsed());
+    println!("allocation, one lane, one connection:");
+    println!("  ceiling (select for update + update + commit on one row): {ceiling_1} txn/s");
+    println!("  batch 1:  {n} withdrawals at {batch_1}/s = {}x the ceiling (target >= 0.8)", ratio(batch_1, ceiling_1));
+    drop(one);
+
+    let big = setup(1, 6_400 * scale).await;
+    let started = Instant::now();
+    let n = drain(&big.worker, &big.db, &big.lanes[0], big.signers[0].as_ref(), 64).await;
+    let batch_64 = per_second(n, started.elapsed());
+    println!("  batch 64: {n} withdrawals at {batch_64}/s = {}x the ceiling (target >= 5)", ratio(batch_64, ceiling_1));
+    drop(big);
+
+    let four = setup(4, 4_000 * scale).await;
+    let ceiling_4 = ceiling(&four.db, 4, 1_000 * scale).await;
+    let started = Instant::now();
+    let results = futures::future::join_all(
+        (0..4).map(|i| drain(&four.worker, &four.db, &four.lanes[i], four.signers[i].as_ref(), 1)),
+    )
+    .await;
+    let total: u64 = results.iter().sum();
+    let lanes_4 = per_second(total, started.elapsed());
+    println!("allocation, four lanes, four connections, batch 1:");
+    println!("  ceiling on four rows: {ceiling_4} txn/s");
+    println!("  {total} withdrawals at {lanes_4}/s = {}x one lane at batch 1 (target >= 3)", ratio(lanes_4, batch_1));
+}
