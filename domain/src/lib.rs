@@ -8,6 +8,7 @@ pub mod amount;
 pub mod asset;
 pub mod chain;
 pub mod hash;
+pub mod hd;
 pub mod withdrawal;
 
 pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};

@@ -2,6 +2,7 @@
 //! own database cloned from the migrated template.
 
 mod append_only;
+mod deposit_addresses;
 mod events;
 mod ledger;
 mod schema;
