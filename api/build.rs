@@ -6,6 +6,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     // `set_var` is safe in edition 2021.
     std::env::set_var("PROTOC", protoc);
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_protos(&["../proto/custodian/v1/custodian.proto"], &["../proto"])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_protos(&["../proto/custodian/v1/custodian.proto"], &["../proto"])?;
     Ok(())
 }

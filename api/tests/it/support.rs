@@ -1,0 +1,259 @@
+//! Shared set-up: a server on a free port over a test database, tokens, clients, funded accounts
+//! and anvil's development keys.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bitcoin::bip32::{DerivationPath, Xpriv, Xpub};
+use bitcoin::hashes::{hmac, sha512, Hash, HashEngine};
+use bitcoin::secp256k1::Secp256k1;
+use bitcoin::NetworkKind;
+use custodian_api::pb::accounts_client::AccountsClient;
+use custodian_api::pb::admin_client::AdminClient;
+use custodian_api::pb::audit_client::AuditClient;
+use custodian_api::pb::health_client::HealthClient;
+use custodian_api::pb::withdrawals_client::WithdrawalsClient;
+use custodian_api::tokens::{self, Scope};
+use custodian_api::{pb, serve, ApiConfig, ApiError};
+use custodian_domain::hd::{DepositKey, EthDepositKey};
+use custodian_domain::{BtcNetwork, Chain};
+use custodian_testkit::TestDb;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+/// Anvil's and Hardhat's development mnemonic: its m/44'/60'/0'/0/i keys are anvil's funded
+/// accounts, so the deposit addresses derived from its account key are those accounts.
+pub const DEV_MNEMONIC: &str = "test test test test test test test test test test test junk";
+/// The account key at m/44'/60'/0' of [`DEV_MNEMONIC`], as `custodian_domain::hd`'s tests know it.
+pub const DEV_ETH_XPUB: &str =
+    "xpub6Ce9NcJvTk36xtLSrJLZqE7wtgA5deCeYs7rSQtreh4cj6ByPtrg9sD7V2FNFLPnf8heNP3FGkeV9qwfzvZNSd54JoNXVsXFYSYwHsnJxqP";
+/// Anvil's dev account 0: funds everything.
+pub const FUNDER: &str = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
+/// Anvil's dev account 1 and its key: the hot wallet of lane `a`.
+pub const HOT_WALLET: &str = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8";
+pub const HOT_WALLET_KEY: &str = "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d";
+/// Wei per ether.
+pub const ETHER: u128 = 1_000_000_000_000_000_000;
+
+/// BIP-39 seed of a mnemonic with an empty passphrase: PBKDF2-HMAC-SHA512, 2048 rounds, salt
+/// "mnemonic", one 64-byte block (as in `custodian_domain::hd`'s tests).
+fn bip39_seed(mnemonic: &str) -> [u8; 64] {
+    let prf = |parts: &[&[u8]]| {
+        let mut engine = hmac::HmacEngine::<sha512::Hash>::new(mnemonic.as_bytes());
+        for part in parts {
+            engine.input(part);
+        }
+        hmac::Hmac::<sha512::Hash>::from_engine(engine).to_byte_array()
+    };
+    let mut block = prf(&[b"mnemonic", &1u32.to_be_bytes()]);
+    let mut seed = block;
+    for _ in 1..2048 {
+        block = prf(&[&block]);
+        seed.iter_mut().zip(block).for_each(|(s, b)| *s ^= b);
+    }
+    seed
+}
+
+/// The dev mnemonic's account-level ETH key, m/44'/60'/0', derived here from the seed.
+pub fn dev_eth_xpub() -> Xpub {
+    let secp = Secp256k1::new();
+    let master = Xpriv::new_master(NetworkKind::Main, &bip39_seed(DEV_MNEMONIC)).expect("valid seed");
+    let path: DerivationPath = "m/44'/60'/0'".parse().expect("valid path");
+    let xpub = Xpub::from_priv(&secp, &master.derive_priv(&secp, &path).expect("derivable"));
+    assert_eq!(xpub.to_string(), DEV_ETH_XPUB, "BIP-39 and BIP-32 derivation of the dev mnemonic");
+    xpub
+}
+
+/// The ETH address at m/44'/60'/0'/0/{index}, derived from `xpub` without Custodian's code.
+pub fn eth_address_at(xpub: &Xpub, index: u32) -> String {
+    use bitcoin::bip32::ChildNumber;
+    let child = xpub
+        .derive_pub(&Secp256k1::verification_only(), &[ChildNumber::Normal { index: 0 }, ChildNumber::Normal { index }])
+        .expect("derivable");
+    let public_key = child.public_key.serialize_uncompressed();
+    alloy_primitives::Address::from_raw_public_key(&public_key[1..]).to_checksum(None)
+}
+
+/// A configuration with the dev ETH key, no BTC key and a rate limit no test reaches.
+pub fn config() -> ApiConfig {
+    let key = EthDepositKey::parse(&dev_eth_xpub().to_string()).expect("a valid account xpub");
+    ApiConfig {
+        deposit_keys: HashMap::from([(Chain::Eth, DepositKey::from(key))]),
+        btc_network: BtcNetwork::Regtest,
+        requests_per_second: 100_000,
+        burst: 100_000,
+    }
+}
+
+/// A running API over its own database.
+pub struct Api {
+    pub db: TestDb,
+    pub channel: Channel,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<Result<(), ApiError>>>,
+}
+
+impl Api {
+    /// Starts the API with [`config`].
+    pub async fn start() -> Api {
+        Api::start_with(config()).await
+    }
+
+    /// Starts the API on 127.0.0.1, port 0, over a fresh database.
+    pub async fn start_with(config: ApiConfig) -> Api {
+        Api::start_on(TestDb::new().await, config).await
+    }
+
+    /// Starts the API over `db`.
+    pub async fn start_on(db: TestDb, config: ApiConfig) -> Api {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a free port");
+        let address = listener.local_addr().expect("bound address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, db.pool.clone(), config, async move {
+            let _ = stopped.await;
+        }));
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .expect("a valid URI")
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("connect to the API");
+        Api { db, channel, stop: Some(stop), server: Some(server) }
+    }
+
+    /// Creates a token with `scopes` directly in the database, as `custodian token create` does.
+    pub async fn token(&self, name: &str, scopes: &[Scope]) -> String {
+        tokens::create(&self.db.pool.get().await.unwrap(), name, scopes).await.expect("create a token")
+    }
+
+    /// A token with every scope.
+    pub async fn root_token(&self) -> String {
+        self.token("root", &Scope::ALL).await
+    }
+
+    pub fn health(&self) -> HealthClient<Channel> {
+        HealthClient::new(self.channel.clone())
+    }
+    pub fn accounts(&self) -> AccountsClient<Channel> {
+        AccountsClient::new(self.channel.clone())
+    }
+    pub fn withdrawals(&self) -> WithdrawalsClient<Channel> {
+        WithdrawalsClient::new(self.channel.clone())
+    }
+    pub fn audit(&self) -> AuditClient<Channel> {
+        AuditClient::new(self.channel.clone())
+    }
+    pub fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel.clone())
+    }
+
+    /// Signals shutdown and waits for `serve` to return.
+    pub async fn stop(&mut self) -> Result<(), ApiError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.server.take() {
+            Some(server) => tokio::time::timeout(Duration::from_secs(10), server)
+                .await
+                .expect("serve returns within 10 s of shutdown")
+                .expect("the server task does not panic"),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates an account through the API and returns its id.
+    pub async fn account(&self, token: &str, external_ref: &str) -> i64 {
+        let response = self
+            .accounts()
+            .create_account(authed(token, pb::CreateAccountRequest { external_ref: external_ref.into() }))
+            .await
+            .expect("create an account");
+        response.into_inner().account.expect("an account").id
+    }
+
+    /// Credits `account` with `wei` by a deposit fact and its posted transfer, as the posting
+    /// pass would (for tests that are not about deposits). `n` keeps facts of one account apart.
+    pub async fn credit(&self, account: i64, n: u32, wei: u128) {
+        let client = self.db.pool.get().await.unwrap();
+        let seed = u64::try_from(account).unwrap() * 1000 + u64::from(n);
+        let address = format!("0x{:040x}", 0xdead_0000_0000u64 + seed);
+        let block = format!("0x{:064x}", 0xb10c_0000_0000u64 + seed);
+        let tx = format!("0x{:064x}", 0x7e57_0000_0000u64 + seed);
+        client
+            .batch_execute(&format!(
+                "insert into wallet_address (chain, address, account_id) values ('eth', '{address}', {account});
+                 insert into chain_block (chain, height, block_hash, parent_hash)
+                      values ('eth', {seed} + 1000000, '{block}', '{block}');
+                 insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
+                      values ('eth', '{block}', '{tx}', 0, '{address}', 'ETH', {wei});
+                 begin;
+                 insert into ledger_transfer (idempotency_key, kind, reference) values ('deposit:eth:{tx}:0', 'deposit',
+                      jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'output_index', 0, 'block_hash', '{block}'));
+                 insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                      (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {wei}),
+                      (currval('ledger_transfer_id_seq'), 'user:{account}', 'ETH', 'credit', {wei});
+                 commit;"
+            ))
+            .await
+            .expect("credit the account");
+    }
+
+    /// Registers anvil's dev account 1 as lane `a` without asking a node (its nonce starts at 0).
+    pub async fn hot_wallet(&self) {
+        self.db
+            .pool
+            .get()
+            .await
+            .unwrap()
+            .execute(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, 'a', 0)",
+                &[&HOT_WALLET],
+            )
+            .await
+            .expect("register the hot wallet");
+    }
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// `message` with `authorization: Bearer <token>`.
+pub fn authed<T>(token: &str, message: T) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("ASCII metadata"));
+    request
+}
+
+/// Asserts `result` failed with `code` and a message containing every one of `words`.
+#[track_caller]
+pub fn assert_status<T: std::fmt::Debug>(result: Result<T, Status>, code: Code, words: &[&str]) -> Status {
+    let status = result.expect_err("the call should fail");
+    assert_eq!(status.code(), code, "unexpected status: {status:?}");
+    for word in words {
+        assert!(status.message().contains(word), "{:?} should mention {word:?}", status.message());
+    }
+    status
+}
+
+/// A withdrawal request of `amount_units` wei of ETH.
+pub fn withdrawal_request(
+    account_id: i64,
+    external_id: &str,
+    destination: &str,
+    wei: u128,
+) -> pb::RequestWithdrawalRequest {
+    pb::RequestWithdrawalRequest {
+        account_id,
+        external_id: external_id.into(),
+        asset: "ETH".into(),
+        destination: destination.into(),
+        amount: Some(pb::request_withdrawal_request::Amount::AmountUnits(wei.to_string())),
+    }
+}
