@@ -21,8 +21,7 @@ test: setup
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 
 demo: setup
-	cargo run --locked -- migrate
-	cargo run --locked -- status
+	cargo run --locked --features demo -- demo
 
 bench: setup
 	cargo bench --workspace --locked

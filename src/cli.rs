@@ -16,9 +16,12 @@ pub struct Cli {
 /// Options every command understands.
 #[derive(Debug, Args)]
 pub struct GlobalArgs {
-    /// PostgreSQL URL of the ledger database.
-    #[arg(long, global = true, env = "CUSTODIAN_DATABASE_URL", default_value = custodian_store::DEFAULT_DATABASE_URL, hide_env_values = true)]
-    pub database_url: String,
+    /// Configuration file (TOML); flags and CUSTODIAN_* variables override it.
+    #[arg(long, global = true, env = "CUSTODIAN_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+    /// PostgreSQL URL of the ledger database [default: postgres://postgres@127.0.0.1:5432/custodian].
+    #[arg(long, global = true, env = "CUSTODIAN_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
     /// Ethereum JSON-RPC endpoint.
     #[arg(long = "eth-rpc", global = true, env = "CUSTODIAN_ETH_RPC_URL", hide_env_values = true)]
     pub eth_rpc: Option<String>,
@@ -35,11 +38,11 @@ pub struct GlobalArgs {
     #[arg(long = "btc-rpc-cookie", global = true, env = "CUSTODIAN_BTC_RPC_COOKIE")]
     pub btc_rpc_cookie: Option<std::path::PathBuf>,
     /// Bitcoin network addresses are checked against: mainnet, testnet, signet or regtest.
-    #[arg(long = "btc-network", global = true, env = "CUSTODIAN_BTC_NETWORK", default_value = "mainnet")]
-    pub btc_network: String,
+    #[arg(long = "btc-network", global = true, env = "CUSTODIAN_BTC_NETWORK")]
+    pub btc_network: Option<String>,
     /// Blocks of history a reorg may reach and raw payloads are kept for.
-    #[arg(long = "retention-blocks", global = true, env = "CUSTODIAN_RETENTION_BLOCKS", default_value_t = 1024)]
-    pub retention_blocks: u64,
+    #[arg(long = "retention-blocks", global = true, env = "CUSTODIAN_RETENTION_BLOCKS")]
+    pub retention_blocks: Option<u64>,
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -165,22 +168,23 @@ pub enum Command {
         /// One pass, then exit.
         #[arg(long)]
         once: bool,
-        /// LANE=PATH of a hot-wallet key file (also CUSTODIAN_HOT_KEY_<LANE> / CUSTODIAN_HOT_KEY_FILE_<LANE>).
-        #[arg(long = "key-file")]
-        key_files: Vec<String>,
-        /// Blocks a withdrawal must be buried under before it is confirmed.
-        #[arg(long, env = "CUSTODIAN_WITHDRAWAL_CONFIRMATIONS", default_value_t = 12)]
-        confirmations: u64,
-        /// Blocks an attempt may stay unmined before a fee bump.
-        #[arg(long, env = "CUSTODIAN_BUMP_AFTER_BLOCKS", default_value_t = 3)]
-        bump_after_blocks: u64,
-        /// The most any attempt pays per gas, in gwei.
-        #[arg(long, env = "CUSTODIAN_MAX_FEE_GWEI", default_value_t = 500)]
-        max_fee_gwei: u64,
-        /// Milliseconds between passes when running continuously.
-        #[arg(long, default_value_t = 1000)]
-        interval_ms: u64,
+        #[command(flatten)]
+        worker: WorkerArgs,
     },
+    /// Run everything: the gRPC API, a scanner per configured chain with posting, the withdrawal
+    /// worker, and /metrics and /healthz. Stops cleanly on SIGTERM.
+    Serve {
+        /// Address of the gRPC API [default: 127.0.0.1:50051, or [api] listen].
+        #[arg(long, env = "CUSTODIAN_GRPC_LISTEN")]
+        grpc_listen: Option<String>,
+        /// Address of /metrics and /healthz [default: 127.0.0.1:9100, or [metrics] listen].
+        #[arg(long, env = "CUSTODIAN_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
+        #[command(flatten)]
+        worker: WorkerArgs,
+    },
+    /// Tell the whole story on a laptop: deposits, reorgs, withdrawals, replay --verify.
+    Demo,
     /// List deposit observations with their block, confirmations and whether orphaned.
     Deposits {
         /// Only this account (reference or id).
@@ -211,6 +215,26 @@ pub enum PolicyCommand {
     },
     /// Show every tier.
     Show,
+}
+
+/// How the withdrawal worker runs (flags override `[withdrawals]` in the configuration file).
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// LANE=PATH of a hot-wallet key file (also CUSTODIAN_HOT_KEY_<LANE> / CUSTODIAN_HOT_KEY_FILE_<LANE>).
+    #[arg(long = "key-file")]
+    pub key_files: Vec<String>,
+    /// Blocks a withdrawal must be buried under before it is confirmed [default: 12].
+    #[arg(long, env = "CUSTODIAN_WITHDRAWAL_CONFIRMATIONS")]
+    pub confirmations: Option<u64>,
+    /// Blocks an attempt may stay unmined before a fee bump [default: 3].
+    #[arg(long, env = "CUSTODIAN_BUMP_AFTER_BLOCKS")]
+    pub bump_after_blocks: Option<u64>,
+    /// The most any attempt pays per gas, in gwei [default: 500].
+    #[arg(long, env = "CUSTODIAN_MAX_FEE_GWEI")]
+    pub max_fee_gwei: Option<u64>,
+    /// Milliseconds between passes when running continuously.
+    #[arg(long, default_value_t = 1000)]
+    pub interval_ms: u64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -326,6 +350,21 @@ pub enum AddressCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCommand {
+    /// Create an API bearer token; it is printed once and stored only hashed.
+    Create {
+        /// A name for the token (who uses it).
+        #[arg(long)]
+        name: String,
+        /// Comma-separated scopes: read, withdraw, admin.
+        #[arg(long)]
+        scope: String,
+    },
+    /// Revoke an API token by name.
+    Revoke {
+        /// The token's name.
+        #[arg(long)]
+        name: String,
+    },
     /// Register an ERC-20 contract so its transfers to watched addresses count as deposits.
     Add {
         /// Only eth has tokens.

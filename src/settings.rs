@@ -1,11 +1,14 @@
-//! Settings resolved from arguments and `CUSTODIAN_*` environment variables.
+//! Settings resolved from flags, `CUSTODIAN_*` environment variables and the configuration
+//! file, in that order of precedence.
 
 use anyhow::Result;
 use custodian_domain::BtcNetwork;
 use custodian_ingest::btc::BtcAuth;
 use custodian_store::DatabaseUrl;
+use secrecy::ExposeSecret;
 
 use crate::cli::GlobalArgs;
+use crate::config::FileConfig;
 use crate::exit::invalid;
 
 /// What every command needs to know about its surroundings.
@@ -25,37 +28,59 @@ pub struct Settings {
     pub retention_blocks: u64,
     /// Print JSON.
     pub json: bool,
+    /// The configuration file's other sections (worker, API, metrics, keys).
+    pub file: FileConfig,
 }
 
 impl Settings {
-    /// Validates the global arguments.
+    /// Validates the global arguments over the configuration file.
     pub fn from_args(args: &GlobalArgs) -> Result<Settings> {
-        let database_url =
-            args.database_url.parse().map_err(|e| invalid(format!("--database-url / CUSTODIAN_DATABASE_URL: {e}")))?;
-        let btc_network =
-            args.btc_network.parse().map_err(|e| invalid(format!("--btc-network / CUSTODIAN_BTC_NETWORK: {e}")))?;
+        let file = match &args.config {
+            Some(path) => FileConfig::load(path)?,
+            None => FileConfig::default(),
+        };
+        let database_url = args
+            .database_url
+            .clone()
+            .or_else(|| file.database_url.as_ref().map(|s| s.expose_secret().to_owned()))
+            .unwrap_or_else(|| custodian_store::DEFAULT_DATABASE_URL.to_owned())
+            .parse()
+            .map_err(|e| invalid(format!("--database-url / CUSTODIAN_DATABASE_URL: {e}")))?;
+        let btc_network = args
+            .btc_network
+            .clone()
+            .or_else(|| file.btc.network.clone())
+            .unwrap_or_else(|| "mainnet".to_owned())
+            .parse()
+            .map_err(|e| invalid(format!("--btc-network / CUSTODIAN_BTC_NETWORK: {e}")))?;
+        let cookie = args.btc_rpc_cookie.clone().or_else(|| file.btc.rpc_cookie.clone());
+        let user = args.btc_rpc_user.clone().or_else(|| file.btc.rpc_user.clone());
+        let password = args
+            .btc_rpc_password
+            .clone()
+            .or_else(|| file.btc.rpc_password.as_ref().map(|s| s.expose_secret().to_owned()));
         let btc_auth =
-            match (&args.btc_rpc_cookie, &args.btc_rpc_user, &args.btc_rpc_password) {
-                (Some(cookie), None, None) => BtcAuth::CookieFile(cookie.clone()),
-                (None, Some(user), Some(password)) => {
-                    BtcAuth::UserPassword { user: user.clone(), password: password.clone() }
-                }
+            match (cookie, user, password) {
+                (Some(cookie), None, None) => BtcAuth::CookieFile(cookie),
+                (None, Some(user), Some(password)) => BtcAuth::UserPassword { user, password },
                 (None, None, None) => BtcAuth::None,
                 _ => return Err(invalid(
                     "give either CUSTODIAN_BTC_RPC_USER and CUSTODIAN_BTC_RPC_PASSWORD, or CUSTODIAN_BTC_RPC_COOKIE",
                 )),
             };
-        if args.retention_blocks == 0 {
+        let retention_blocks = args.retention_blocks.or(file.scanner.retention_blocks).unwrap_or(1024);
+        if retention_blocks == 0 {
             return Err(invalid("--retention-blocks must be at least 1"));
         }
         Ok(Settings {
             database_url,
-            eth_rpc: args.eth_rpc.clone(),
-            btc_rpc: args.btc_rpc.clone(),
+            eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
+            btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
             btc_auth,
             btc_network,
-            retention_blocks: args.retention_blocks,
+            retention_blocks,
             json: args.json,
+            file,
         })
     }
 }

@@ -108,3 +108,38 @@ pub async fn add_token(settings: &Settings, chain: Chain, contract: &str, symbol
     }
     Ok(Exit::Success)
 }
+
+pub async fn token_create(settings: &Settings, name: &str, scopes: &str) -> Result<Exit> {
+    let name = name.trim();
+    if name.is_empty() {
+        return Err(invalid("--name must not be empty"));
+    }
+    let scopes = scopes
+        .split(',')
+        .map(|s| s.trim().parse::<custodian_api::tokens::Scope>().map_err(|e| invalid(format!("--scope: {e}"))))
+        .collect::<Result<Vec<_>>>()?;
+    let pool = super::pool(settings).await?;
+    let token =
+        custodian_api::tokens::create(&pool.get().await?, name, &scopes).await.map_err(|e| invalid(e.to_string()))?;
+    if settings.json {
+        super::print_json(&json!({ "name": name, "token": token }))?;
+    } else {
+        println!("{token}");
+        eprintln!("token {name:?} created; it is shown only now (only its hash is stored)");
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn token_revoke(settings: &Settings, name: &str) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let revoked = custodian_api::tokens::revoke(&pool.get().await?, name).await.map_err(|e| invalid(e.to_string()))?;
+    if !revoked {
+        return Err(invalid(format!("no active token named {name:?}")));
+    }
+    if settings.json {
+        super::print_json(&json!({ "name": name, "revoked": true }))?;
+    } else {
+        println!("token {name:?} revoked");
+    }
+    Ok(Exit::Success)
+}

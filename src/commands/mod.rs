@@ -2,10 +2,12 @@
 
 mod account;
 mod audit;
+mod demo;
 mod deposits;
 mod ledger;
 mod migrate;
 mod scan;
+mod serve;
 mod status;
 mod withdraw;
 
@@ -69,16 +71,17 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         }
         Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
         Command::Cancel { id, by } => withdraw::cancel(&settings, id, &by).await,
-        Command::Work { once, key_files, confirmations, bump_after_blocks, max_fee_gwei, interval_ms } => {
-            let config = custodian_withdrawals::WorkerConfig {
-                confirmations,
-                bump_after_blocks,
-                max_fee_per_gas_wei: alloy_primitives::U256::from(max_fee_gwei)
-                    * alloy_primitives::U256::from(1_000_000_000u64),
-                ..custodian_withdrawals::WorkerConfig::default()
-            };
-            withdraw::work(&settings, once, &key_files, config, std::time::Duration::from_millis(interval_ms)).await
+        Command::Work { once, worker } => {
+            let interval = std::time::Duration::from_millis(worker.interval_ms);
+            withdraw::work(&settings, once, &worker.key_files, withdraw::worker_config(&settings, &worker), interval)
+                .await
         }
+        Command::Serve { grpc_listen, metrics_listen, worker } => {
+            serve::run(&settings, grpc_listen.as_deref(), metrics_listen.as_deref(), &worker).await
+        }
+        Command::Demo => demo::run(&settings).await,
+        Command::Token(TokenCommand::Create { name, scope }) => account::token_create(&settings, &name, &scope).await,
+        Command::Token(TokenCommand::Revoke { name }) => account::token_revoke(&settings, &name).await,
     }
 }
 

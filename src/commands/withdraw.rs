@@ -244,8 +244,28 @@ fn env_key(lane: &str) -> String {
     lane.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect()
 }
 
-/// Keys per lane from `--key-file LANE=PATH`, `CUSTODIAN_HOT_KEY_FILE_<LANE>` or `CUSTODIAN_HOT_KEY_<LANE>`.
-fn signers(lanes: &[hot_wallet::Lane], key_files: &[String]) -> Result<HashMap<String, Arc<dyn Signer>>> {
+/// The worker's configuration: flags, then `[withdrawals]` in the file, then defaults.
+pub fn worker_config(settings: &Settings, args: &crate::cli::WorkerArgs) -> WorkerConfig {
+    let file = &settings.file.withdrawals;
+    let defaults = WorkerConfig::default();
+    let gwei = args.max_fee_gwei.or(file.max_fee_gwei);
+    WorkerConfig {
+        confirmations: args.confirmations.or(file.confirmations).unwrap_or(defaults.confirmations),
+        bump_after_blocks: args.bump_after_blocks.or(file.bump_after_blocks).unwrap_or(defaults.bump_after_blocks),
+        max_fee_per_gas_wei: gwei.map_or(defaults.max_fee_per_gas_wei, |g| {
+            alloy_primitives::U256::from(g) * alloy_primitives::U256::from(1_000_000_000u64)
+        }),
+        ..defaults
+    }
+}
+
+/// Keys per lane from `--key-file LANE=PATH`, `CUSTODIAN_HOT_KEY_FILE_<LANE>`,
+/// `CUSTODIAN_HOT_KEY_<LANE>`, or `[hot_keys.<lane>]` in the configuration file, in that order.
+pub fn signers(
+    settings: &Settings,
+    lanes: &[hot_wallet::Lane],
+    key_files: &[String],
+) -> Result<HashMap<String, Arc<dyn Signer>>> {
     let mut files: HashMap<String, String> = HashMap::new();
     for spec in key_files {
         let (lane, path) =
@@ -265,6 +285,20 @@ fn signers(lanes: &[hot_wallet::Lane], key_files: &[String]) -> Result<HashMap<S
                 Ok(key) => {
                     let key = zeroize::Zeroizing::new(key);
                     LocalSigner::from_hex(&key).map_err(|e| invalid(format!("CUSTODIAN_HOT_KEY_{name}: {e}")))?
+                }
+                Err(_) if settings.file.hot_keys.contains_key(&lane.lane) => {
+                    let configured = &settings.file.hot_keys[&lane.lane];
+                    match (&configured.key_file, &configured.key) {
+                        (Some(path), _) => {
+                            LocalSigner::from_file(path).map_err(|e| invalid(format!("lane {}: {e}", lane.lane)))?
+                        }
+                        (None, Some(key)) => {
+                            use secrecy::ExposeSecret;
+                            LocalSigner::from_hex(key.expose_secret())
+                                .map_err(|e| invalid(format!("[hot_keys.{}]: {e}", lane.lane)))?
+                        }
+                        (None, None) => return Err(invalid(format!("[hot_keys.{}] needs key_file or key", lane.lane))),
+                    }
                 }
                 Err(_) => {
                     tracing::warn!(lane = %lane.lane, "no key for this lane; its withdrawals wait for a worker that has one");
@@ -287,7 +321,7 @@ pub async fn work(
     let node = node(settings)?;
     let pool = super::pool(settings).await?;
     let lanes = hot_wallet::lanes(&pool.get().await?).await?;
-    let signers = signers(&lanes, key_files)?;
+    let signers = signers(settings, &lanes, key_files)?;
     if signers.is_empty() && !lanes.is_empty() {
         return Err(invalid(
             "no hot-wallet key for any lane: pass --key-file LANE=PATH or set CUSTODIAN_HOT_KEY_<LANE>",

@@ -5,4 +5,5 @@ mod deposits;
 mod harness;
 mod ledger;
 mod properties;
+mod serve;
 mod withdrawals;

@@ -1,0 +1,338 @@
+//! `custodian demo`: the whole story on a laptop, against a fresh `custodian_demo` database, a
+//! local anvil and the Bitcoin Core simulator (no bitcoind can be installed here; the BTC part
+//! says so). Built with `--features demo` (`make demo` does it).
+
+#[cfg(not(feature = "demo"))]
+pub async fn run(_settings: &crate::settings::Settings) -> anyhow::Result<crate::exit::Exit> {
+    Err(crate::exit::invalid("this build has no demo: run `make demo` (cargo run --features demo -- demo)"))
+}
+
+#[cfg(feature = "demo")]
+pub use story::run;
+
+#[cfg(feature = "demo")]
+mod story {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use alloy_primitives::U256;
+    use anyhow::{bail, Context, Result};
+    use bitcoin::bip32::{DerivationPath, Xpriv, Xpub};
+    use bitcoin::secp256k1::Secp256k1;
+    use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
+    use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
+    use custodian_domain::{Amount, BtcNetwork, Chain, EthAddress};
+    use custodian_ingest::btc::{BtcAuth, BtcReader};
+    use custodian_ingest::eth::EthReader;
+    use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner};
+    use custodian_projections::{balances, policy, posting, replay};
+    use custodian_store::{deposit_addresses, migrate, ownership, Pool};
+    use custodian_testkit::btcsim::BitcoinSim;
+    use custodian_testkit::Anvil;
+    use custodian_withdrawals::request::{self, Request, RequestError};
+    use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+    use serde_json::{json, Value};
+
+    use crate::exit::Exit;
+    use crate::settings::Settings;
+
+    const ETHER: u128 = 1_000_000_000_000_000_000;
+    /// anvil's first dev account, unlocked: it pays the customers' deposits.
+    const FUNDER: &str = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
+    /// anvil's dev keys 8 and 9 (well-known test keys) are the two hot wallets.
+    const HOT_KEYS: [(&str, &str); 2] = [
+        ("lane-a", "0xdbda1821b80551c9d65939329250298aa3472ba22feea921c0cf5d620ea67b97"),
+        ("lane-b", "0x2a871d0798f97d79848a013d4936a73bf4cc922c825d33c1cf7073dff6d409c6"),
+    ];
+    /// A seed used only by the demo to make its deposit xpubs; its private half is dropped.
+    const DEMO_SEED: [u8; 32] = *b"custodian demo seed, not a key!!";
+
+    fn say(line: impl AsRef<str>) {
+        println!("{}", line.as_ref());
+    }
+
+    fn chapter(title: &str) {
+        println!("\n== {title}");
+    }
+
+    fn account_xpub(path: &str, kind: bitcoin::NetworkKind) -> Result<Xpub> {
+        let secp = Secp256k1::new();
+        let master = Xpriv::new_master(kind, &DEMO_SEED)?;
+        let path: DerivationPath = path.parse()?;
+        Ok(Xpub::from_priv(&secp, &master.derive_priv(&secp, &path)?))
+    }
+
+    async fn fresh_database(settings: &Settings) -> Result<Pool> {
+        let admin = settings.database_url.with_dbname("postgres");
+        let (client, connection) =
+            admin.config().connect(tokio_postgres::NoTls).await.context("connecting to PostgreSQL")?;
+        tokio::spawn(connection);
+        client.batch_execute("drop database if exists custodian_demo with (force)").await?;
+        client.batch_execute("create database custodian_demo").await?;
+        let url = settings.database_url.with_dbname("custodian_demo");
+        let pool = custodian_store::connect(&url, 8).await?;
+        let mut client = pool.get().await?;
+        migrate::run(&mut client).await?;
+        drop(client);
+        say(format!("fresh database custodian_demo at {url}, migrated"));
+        Ok(pool)
+    }
+
+    async fn scan_and_post<R: ChainReader>(pool: &Pool, reader: R) -> Result<()> {
+        let config = ScanConfig { batch_blocks: 50, ..ScanConfig::default() };
+        let report = Scanner::new(reader, pool.clone(), config).run_to_tip(&NoProgress).await?;
+        let posted = posting::post_all(&pool.get().await?).await?;
+        let reorg = if report.reorgs > 0 {
+            format!(", reorg handled: {} blocks orphan-marked", report.orphaned)
+        } else {
+            String::new()
+        };
+        say(format!(
+            "  scanned to our tip {} ({} new blocks, {} new deposit observations{reorg}); posted {} confirmed deposits",
+            report.our_tip.unwrap_or_default(),
+            report.blocks,
+            report.deposits,
+            posted.posted
+        ));
+        Ok(())
+    }
+
+    async fn table(pool: &Pool, accounts: &[(i64, String)]) -> Result<()> {
+        let client = pool.get().await?;
+        say(format!(
+            "  {:<8} {:<5} {:>14} {:>14} {:>14} {:>14}",
+            "account", "asset", "confirmed", "pending", "held", "available"
+        ));
+        for (id, name) in accounts {
+            for b in balances::for_account(&client, *id, name).await? {
+                say(format!(
+                    "  {:<8} {:<5} {:>14} {:>14} {:>14} {:>14}",
+                    name, b.symbol, b.display.confirmed, b.display.pending, b.display.held, b.display.available
+                ));
+                for p in &b.pending_deposits {
+                    say(format!(
+                        "  {:<14} pending {}… {}/{} confirmations",
+                        "",
+                        &p.tx_hash[..12],
+                        p.confirmations,
+                        p.required_confirmations.unwrap_or(0)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn rpc(anvil: &Anvil, method: &str, params: Value) -> Result<Value> {
+        anvil.rpc(method, params).await.with_context(|| format!("anvil {method}"))
+    }
+
+    async fn send(anvil: &Anvil, to: &str, wei: u128) -> Result<String> {
+        let hash =
+            rpc(anvil, "eth_sendTransaction", json!([{"from": FUNDER, "to": to, "value": format!("0x{wei:x}")}]))
+                .await?;
+        Ok(hash.as_str().context("a hash")?.to_owned())
+    }
+
+    async fn mine(anvil: &Anvil, blocks: u64) -> Result<()> {
+        rpc(anvil, "anvil_mine", json!([format!("0x{blocks:x}")])).await.map(|_| ())
+    }
+
+    async fn withdraw(
+        pool: &Pool,
+        account: i64,
+        external_id: &str,
+        to: &str,
+        ether: &str,
+    ) -> Result<request::Requested, RequestError> {
+        let (destination, amount) = request::parse(to, ether, 18)?;
+        let r = Request {
+            account_id: account,
+            external_id: external_id.to_owned(),
+            asset: "ETH".into(),
+            destination,
+            amount,
+        };
+        request::request(&mut pool.get().await.map_err(|e| RequestError::Invalid(e.to_string()))?, &r).await
+    }
+
+    pub async fn run(settings: &Settings) -> Result<Exit> {
+        let started = Instant::now();
+        chapter("Setting up");
+        let anvil = Anvil::spawn().await.context("starting anvil (run `make demo`, which installs it)")?;
+        say(format!("anvil (a real Ethereum node) at {}", anvil.url));
+        let pool = fresh_database(settings).await?;
+        let client = pool.get().await?;
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::ZERO, 2).await?;
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("1", 18)?, 3).await?;
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("100", 18)?, 3).await?;
+        say("confirmation policy for the demo: 2 confirmations below 1 ETH, 3 from 1 ETH (real defaults: 12/32/64)");
+
+        chapter("Three customers and their deposit addresses");
+        let eth_key = DepositKey::from(EthDepositKey::parse(
+            &account_xpub("m/44'/60'/0'", bitcoin::NetworkKind::Main)?.to_string(),
+        )?);
+        say("deposit addresses derive from an account-level xpub (m/44'/60'/0'); the service holds no private key for them");
+        let mut accounts = Vec::new();
+        let mut addresses = HashMap::new();
+        for name in ["alice", "bob", "carol"] {
+            let (account, _) = ownership::create_account(&client, name).await?;
+            let derived = deposit_addresses::new_address(&mut pool.get().await?, &eth_key, account.id).await?;
+            say(format!(
+                "  {name:<6} account {} deposit address {} (index {})",
+                account.id, derived.address, derived.derivation_index
+            ));
+            addresses.insert(name, derived.address.clone());
+            accounts.push((account.id, name.to_owned()));
+        }
+        let id = |name: &str| accounts.iter().find(|(_, n)| n == name).map(|(id, _)| *id).expect("demo account");
+
+        chapter("Deposits: pending, then confirmed");
+        for (name, ether) in [("alice", 5u128), ("bob", 2), ("carol", 1)] {
+            let hash = send(&anvil, &addresses[name], ether * ETHER).await?;
+            say(format!("  anvil dev account pays {ether} ETH to {name}: {hash}"));
+        }
+        let reader = EthReader::new(&anvil.url)?;
+        scan_and_post(&pool, reader.clone()).await?;
+        table(&pool, &accounts).await?;
+        mine(&anvil, 3).await?;
+        say("  … 3 more blocks");
+        scan_and_post(&pool, reader.clone()).await?;
+        table(&pool, &accounts).await?;
+
+        chapter("A reorg takes a deposit out, and it comes back");
+        let tip_deposit = send(&anvil, &addresses["carol"], ETHER / 2).await?;
+        let raw = rpc(&anvil, "eth_getRawTransactionByHash", json!([tip_deposit])).await?;
+        say(format!("  0.5 ETH more to carol: {tip_deposit}"));
+        scan_and_post(&pool, reader.clone()).await?;
+        table(&pool, &accounts).await?;
+        rpc(&anvil, "anvil_reorg", json!([1, []])).await?;
+        mine(&anvil, 1).await?;
+        say("  anvil reorgs its last block away (the deposit is gone from the chain); the scanner orphan-marks, never deletes");
+        scan_and_post(&pool, reader.clone()).await?;
+        table(&pool, &accounts).await?;
+        rpc(&anvil, "eth_sendRawTransaction", json!([raw])).await?;
+        mine(&anvil, 3).await?;
+        say("  the same signed transaction is mined again in a new block, then 3 blocks on top");
+        scan_and_post(&pool, reader.clone()).await?;
+        table(&pool, &accounts).await?;
+        let observations: i64 =
+            client.query_one("select count(*) from deposit_event where tx_hash = $1", &[&tip_deposit]).await?.get(0);
+        say(format!(
+            "  that deposit has {observations} observations (one orphaned, one canonical) and was credited once"
+        ));
+
+        chapter("Withdrawals");
+        let node = EthNode::new(&anvil.url)?;
+        let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
+        for (lane, key) in HOT_KEYS {
+            let signer = LocalSigner::from_hex(key)?;
+            let (registered, _) =
+                hot_wallet::add(&mut pool.get().await?, &node, lane, &format!("{:#x}", signer.address())).await?;
+            say(format!("  hot wallet {} is {lane}, next nonce {}", registered.address, registered.next_nonce));
+            signers.insert(lane.to_owned(), Arc::new(signer));
+        }
+        client.execute("update asset set approval_limit = $1 where asset = 'ETH'", &[&U256::from(3 * ETHER)]).await?;
+        say("  approval limit: withdrawals above 3 ETH wait for a named person");
+        let outside = EthAddress::parse("0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed")?.to_checksummed();
+        let first = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25").await?;
+        say(format!(
+            "  alice asks for 1.25 ETH (external id alice-0001): withdrawal {} {}",
+            first.withdrawal.id,
+            first.withdrawal.state.as_str()
+        ));
+        let retried = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25").await?;
+        say(format!(
+            "  her client retries the same request: withdrawal {} again (created now: {})",
+            retried.withdrawal.id, retried.created
+        ));
+        match withdraw(&pool, id("bob"), "bob-0001", &outside, "10").await {
+            Err(e) => say(format!("  bob asks for 10 ETH: refused, nothing written: {e}")),
+            Ok(_) => bail!("bob's withdrawal should have been refused"),
+        }
+        let big = withdraw(&pool, id("alice"), "alice-0002", &outside, "3.5").await?;
+        say(format!("  alice asks for 3.5 ETH: withdrawal {} {}", big.withdrawal.id, big.withdrawal.state.as_str()));
+        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, "dana.treasury").await?;
+        say(format!("  dana.treasury approves it: {}", approved.state.as_str()));
+        table(&pool, &accounts).await?;
+
+        let worker =
+            Worker::new(pool.clone(), node, signers, WorkerConfig { confirmations: 2, ..WorkerConfig::default() });
+        let ids = [first.withdrawal.id, big.withdrawal.id];
+        let mut told: HashMap<i64, usize> = HashMap::new();
+        for _ in 0..30 {
+            worker.pass().await?;
+            let mut all_confirmed = true;
+            for id in ids {
+                let events = sql::events(&client, id).await?;
+                let from = told.get(&id).copied().unwrap_or(0);
+                for event in &events[from..] {
+                    let detail = match event {
+                        WithdrawalEvent::Signed { from_address, nonce, tx_hash, .. } => {
+                            format!("nonce {nonce} of {from_address} allocated and signed: {tx_hash}")
+                        }
+                        WithdrawalEvent::Broadcast { tx_hash } => format!("the node accepted {tx_hash}"),
+                        WithdrawalEvent::Mined { block_number, .. } => format!("mined in block {block_number}"),
+                        WithdrawalEvent::Confirmed { fee, .. } => format!(
+                            "confirmed; real fee {} ETH (gasUsed x effectiveGasPrice)",
+                            fee.to_decimal_string(18)
+                        ),
+                        WithdrawalEvent::Requested { amount, .. } => {
+                            format!("{} ETH, hold posted", amount.to_decimal_string(18))
+                        }
+                        WithdrawalEvent::AwaitingApproval { limit } => {
+                            format!("above the {} ETH approval limit", limit.to_decimal_string(18))
+                        }
+                        WithdrawalEvent::Approved { by } => format!("approved by {by}"),
+                        other => other.event_type().to_owned(),
+                    };
+                    say(format!("  withdrawal {id} {}: {detail}", event.event_type()));
+                }
+                told.insert(id, events.len());
+                all_confirmed &= sql::load(&client, id).await?.is_some_and(|w| w.state == WithdrawalState::Confirmed);
+            }
+            if all_confirmed {
+                break;
+            }
+            mine(&anvil, 1).await?;
+        }
+        table(&pool, &accounts).await?;
+
+        chapter("Bitcoin (against testkit's Bitcoin Core simulator: no bitcoind is installed here)");
+        let sim = BitcoinSim::start().await;
+        let btc_key = DepositKey::from(BtcDepositKey::parse(
+            &account_xpub("m/84'/1'/0'", bitcoin::NetworkKind::Test)?.to_string(),
+            BtcNetwork::Regtest,
+        )?);
+        let derived = deposit_addresses::new_address(&mut pool.get().await?, &btc_key, id("alice")).await?;
+        say(format!("  alice's BTC deposit address (BIP-84 P2WPKH): {}", derived.address));
+        let address = bitcoin::Address::from_str(&derived.address)?.require_network(bitcoin::Network::Regtest)?;
+        let tx = sim.pay(&[(address, bitcoin::Amount::from_sat(5_000_000))]);
+        sim.mine_empty(1);
+        sim.mine(&[tx]);
+        say("  the simulator mines a real block paying her 0.05 BTC (1 confirmation needed below 0.1 BTC)");
+        let auth = BtcAuth::UserPassword { user: sim.user().to_owned(), password: sim.password().to_owned() };
+        scan_and_post(&pool, BtcReader::new(&sim.url(), auth, BtcNetwork::Regtest)?).await?;
+
+        chapter("Audit");
+        let report = replay::verify(&mut pool.get().await?).await?;
+        if report.verified() {
+            say(format!(
+                "  replay --verify: {} facts replayed; every projection and invariant matches",
+                report.facts_read
+            ));
+        } else {
+            for d in &report.differences {
+                say(format!("  DIFFERENCE [{}] {}", d.check, d.detail));
+            }
+            bail!("replay --verify found {} differences", report.differences.len());
+        }
+        chapter("Final balances");
+        table(&pool, &accounts).await?;
+        say(format!("\ndemo finished in {:.0?}", started.elapsed()));
+        Ok(Exit::Success)
+    }
+
+    use std::str::FromStr;
+}

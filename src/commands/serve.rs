@@ -1,0 +1,213 @@
+//! `custodian serve`: the gRPC API, a scanner per configured chain (posting after every step),
+//! the withdrawal worker, and `/metrics` and `/healthz`, in one process.
+//!
+//! On SIGTERM every part stops taking new work: scanners stop between batches, the worker between
+//! passes, the API after in-flight requests; no database transaction is interrupted, and the
+//! process exits 0. Several `serve` processes may share one database: scanners guard their cursor,
+//! workers claim withdrawals with row locks.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
+use custodian_domain::Chain;
+use custodian_ingest::btc::BtcReader;
+use custodian_ingest::eth::EthReader;
+use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner};
+use custodian_store::Pool;
+use custodian_withdrawals::{hot_wallet, EthNode, Worker};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+use super::scan::PostAfterStep;
+use crate::cli::WorkerArgs;
+use crate::exit::{invalid, Exit};
+use crate::settings::Settings;
+
+/// How often projection gauges (withdrawals per state, paused lanes) are refreshed.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
+
+fn deposit_keys(settings: &Settings) -> Result<HashMap<Chain, DepositKey>> {
+    let mut keys = HashMap::new();
+    if let Some(xpub) = &settings.file.eth.deposit_xpub {
+        let key = EthDepositKey::parse(xpub).map_err(|e| invalid(format!("[eth] deposit_xpub: {e}")))?;
+        keys.insert(Chain::Eth, DepositKey::from(key));
+    }
+    if let Some(xpub) = &settings.file.btc.deposit_xpub {
+        let key = BtcDepositKey::parse(xpub, settings.btc_network)
+            .map_err(|e| invalid(format!("[btc] deposit_xpub: {e}")))?;
+        keys.insert(Chain::Btc, DepositKey::from(key));
+    }
+    Ok(keys)
+}
+
+async fn bind(what: &str, address: &str) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|e| invalid(format!("cannot listen for {what} on {address}: {e}")))
+}
+
+pub async fn run(
+    settings: &Settings,
+    grpc_listen: Option<&str>,
+    metrics_listen: Option<&str>,
+    worker_args: &WorkerArgs,
+) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let grpc = bind("gRPC", grpc_listen.or(settings.file.api.listen.as_deref()).unwrap_or("127.0.0.1:50051")).await?;
+    let metrics =
+        bind("metrics", metrics_listen.or(settings.file.metrics.listen.as_deref()).unwrap_or("127.0.0.1:9100")).await?;
+    let api_config = custodian_api::ApiConfig {
+        deposit_keys: deposit_keys(settings)?,
+        btc_network: settings.btc_network,
+        requests_per_second: settings.file.api.requests_per_second.unwrap_or(50),
+        burst: settings.file.api.burst.unwrap_or(100),
+    };
+    // Printed so scripts and tests can find ports chosen by the system (":0").
+    println!("grpc listening on {}", grpc.local_addr()?);
+    println!("metrics listening on {}", metrics.local_addr()?);
+
+    let (stop, stopped) = watch::channel(false);
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        tracing::warn!("shutdown requested: finishing in-flight work");
+        let _ = stop.send(true);
+    });
+
+    let mut tasks = tokio::task::JoinSet::new();
+    let config = ScanConfig { retention_blocks: settings.retention_blocks, ..ScanConfig::default() };
+    if let Some(url) = &settings.eth_rpc {
+        let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?;
+        tasks.spawn(scan(reader, pool.clone(), config.clone(), stopped.clone()));
+    }
+    if let Some(url) = &settings.btc_rpc {
+        let reader =
+            BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network).map_err(|e| invalid(e.to_string()))?;
+        tasks.spawn(scan(reader, pool.clone(), config, stopped.clone()));
+    }
+    if let Some(url) = &settings.eth_rpc {
+        let lanes = hot_wallet::lanes(&pool.get().await?).await?;
+        let signers = super::withdraw::signers(settings, &lanes, &worker_args.key_files)?;
+        let node = EthNode::new(url).map_err(|e| invalid(e.to_string()))?;
+        let worker = Worker::new(pool.clone(), node, signers, super::withdraw::worker_config(settings, worker_args));
+        tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone()));
+    }
+    tasks.spawn(gauges(pool.clone(), stopped.clone()));
+    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), stopped.clone()));
+    let mut api_stopped = stopped.clone();
+    let api_shutdown = async move {
+        let _ = api_stopped.wait_for(|stop| *stop).await;
+    };
+    tasks.spawn(async move {
+        custodian_api::serve(grpc, pool, api_config, api_shutdown).await.map_err(|e| anyhow::anyhow!("gRPC API: {e}"))
+    });
+
+    let mut failure = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!("a component stopped: {e:#}");
+                failure.get_or_insert(e);
+            }
+            Err(e) => {
+                failure.get_or_insert(anyhow::anyhow!("a component panicked: {e}"));
+            }
+        }
+    }
+    match failure {
+        Some(e) if !*stopped.borrow() => Err(e),
+        _ => Ok(Exit::Success),
+    }
+}
+
+async fn scan<R: ChainReader + 'static>(
+    reader: R,
+    pool: Pool,
+    config: ScanConfig,
+    stopped: watch::Receiver<bool>,
+) -> Result<()> {
+    let chain = reader.chain();
+    let scanner = Scanner::new(reader, pool.clone(), config).with_after_step(Arc::new(PostAfterStep(pool)));
+    scanner.run(&NoProgress, stopped).await.with_context(|| format!("{chain} scanner"))?;
+    Ok(())
+}
+
+async fn work(worker: Worker, interval: Duration, mut stopped: watch::Receiver<bool>) -> Result<()> {
+    while !*stopped.borrow() {
+        // A pass is never cut short: the stop flag is looked at between passes.
+        if let Err(e) = worker.pass().await {
+            tracing::warn!("withdrawal pass failed, retried after the interval: {e}");
+        }
+        tokio::select! {
+            _ = stopped.changed() => {}
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Withdrawals per state and paused lanes, read from the projections.
+async fn gauges(pool: Pool, mut stopped: watch::Receiver<bool>) -> Result<()> {
+    while !*stopped.borrow() {
+        if let Ok(client) = pool.get().await {
+            if let Ok(rows) = client.query("select state, count(*) from withdrawal group by state", &[]).await {
+                for row in rows {
+                    metrics::gauge!("custodian_withdrawals", "state" => row.get::<_, String>(0))
+                        .set(row.get::<_, i64>(1) as f64);
+                }
+            }
+            if let Ok(row) = client.query_one("select count(*) from hot_wallet where paused_at is not null", &[]).await
+            {
+                metrics::gauge!("custodian_paused_lanes").set(row.get::<_, i64>(0) as f64);
+            }
+        }
+        tokio::select! {
+            _ = stopped.changed() => {}
+            _ = tokio::time::sleep(GAUGE_INTERVAL) => {}
+        }
+    }
+    Ok(())
+}
+
+/// A minimal HTTP/1.1 responder: `GET /metrics` (Prometheus text) and `GET /healthz` (200 when
+/// the database answers, 503 otherwise). One request per connection.
+async fn health(
+    listener: tokio::net::TcpListener,
+    pool: Pool,
+    recorder: Arc<metrics_exporter_prometheus::PrometheusHandle>,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<()> {
+    loop {
+        let (mut socket, _) = tokio::select! {
+            accepted = listener.accept() => accepted?,
+            _ = stopped.wait_for(|stop| *stop) => return Ok(()),
+        };
+        let (pool, recorder) = (pool.clone(), recorder.clone());
+        tokio::spawn(async move {
+            let mut buffer = [0u8; 1024];
+            let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await;
+            let Ok(Ok(n)) = read else { return };
+            let request = String::from_utf8_lossy(&buffer[..n]);
+            let path = request.split_whitespace().nth(1).unwrap_or("/");
+            let (status, body) = match path {
+                "/metrics" => ("200 OK", recorder.render()),
+                "/healthz" => match pool.get().await {
+                    Ok(client) if client.query_one("select 1", &[]).await.is_ok() => ("200 OK", "ok\n".to_owned()),
+                    _ => ("503 Service Unavailable", "database unreachable\n".to_owned()),
+                },
+                _ => ("404 Not Found", "not found\n".to_owned()),
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+        });
+    }
+}

@@ -1,0 +1,156 @@
+//! The configuration file (`custodian.toml`, see `custodian.example.toml`). Every value can be
+//! overridden by a flag or a `CUSTODIAN_*` variable; secrets are `SecretString`s, which neither
+//! `Debug` nor logs can print.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use secrecy::SecretString;
+use serde::Deserialize;
+
+use crate::exit::invalid;
+
+/// The whole file. Unknown keys are refused so a typo is not silently ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// PostgreSQL URL (may hold a password).
+    pub database_url: Option<SecretString>,
+    /// Ethereum.
+    #[serde(default)]
+    pub eth: EthConfig,
+    /// Bitcoin.
+    #[serde(default)]
+    pub btc: BtcConfig,
+    /// Deposit scanning.
+    #[serde(default)]
+    pub scanner: ScannerConfig,
+    /// The withdrawal worker.
+    #[serde(default)]
+    pub withdrawals: WithdrawalConfig,
+    /// The gRPC API.
+    #[serde(default)]
+    pub api: ApiConfig,
+    /// Prometheus metrics and health.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    /// Hot-wallet keys per lane.
+    #[serde(default)]
+    pub hot_keys: BTreeMap<String, HotKey>,
+}
+
+/// `[eth]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EthConfig {
+    /// JSON-RPC endpoint.
+    pub rpc_url: Option<String>,
+    /// Account-level xpub (m/44'/60'/0') deposit addresses are derived from.
+    pub deposit_xpub: Option<String>,
+}
+
+/// `[btc]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BtcConfig {
+    /// Bitcoin Core JSON-RPC endpoint.
+    pub rpc_url: Option<String>,
+    /// RPC user.
+    pub rpc_user: Option<String>,
+    /// RPC password.
+    pub rpc_password: Option<SecretString>,
+    /// Bitcoin Core's `.cookie` file, instead of a user and password.
+    pub rpc_cookie: Option<PathBuf>,
+    /// mainnet, testnet, signet or regtest.
+    pub network: Option<String>,
+    /// Account-level xpub/zpub (m/84'/0'/0') deposit addresses are derived from.
+    pub deposit_xpub: Option<String>,
+}
+
+/// `[scanner]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScannerConfig {
+    /// Reorg window and raw-payload retention.
+    pub retention_blocks: Option<u64>,
+}
+
+/// `[withdrawals]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WithdrawalConfig {
+    /// Blocks before a withdrawal counts as confirmed.
+    pub confirmations: Option<u64>,
+    /// Blocks before a fee bump.
+    pub bump_after_blocks: Option<u64>,
+    /// Most any attempt pays per gas, gwei.
+    pub max_fee_gwei: Option<u64>,
+}
+
+/// `[api]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Address the gRPC API listens on.
+    pub listen: Option<String>,
+    /// Requests per second allowed per token.
+    pub requests_per_second: Option<u32>,
+    /// Burst allowed per token.
+    pub burst: Option<u32>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address `/metrics` and `/healthz` listen on.
+    pub listen: Option<String>,
+}
+
+/// A lane's key: a file readable by its owner only, or the hex key itself.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotKey {
+    /// Key file.
+    pub key_file: Option<PathBuf>,
+    /// The key (prefer a file or `CUSTODIAN_HOT_KEY_<LANE>`).
+    pub key: Option<SecretString>,
+}
+
+impl FileConfig {
+    /// Reads and parses `path`; a missing or malformed file is a usage error.
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading {}", path.display()))
+            .map_err(|e| invalid(format!("{e:#}")))?;
+        // The error's own Display quotes the offending line, which may hold a secret: report only
+        // the line number and the message.
+        toml::from_str(&text).map_err(|e| {
+            let line = e.span().map_or(0, |span| text[..span.start].matches('\n').count() + 1);
+            invalid(format!("{} line {line}: {}", path.display(), e.message()))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_parses_and_debug_output_hides_secrets() {
+        let example: FileConfig =
+            toml::from_str(include_str!("../custodian.example.toml")).expect("the example parses");
+        assert!(example.eth.rpc_url.is_some());
+        let secret = "ac0974bec39a17e36ba4a6b4d238ff944bacb478cbed5efcae784d7bf4f2ff80";
+        let with_secrets: FileConfig = toml::from_str(&format!(
+            "database_url = \"postgres://app:db-pass-123@db/custodian\"\n[btc]\nrpc_password = \"btc-pass-456\"\n[hot_keys.lane1]\nkey = \"0x{secret}\"\n"
+        ))
+        .expect("parses");
+        let debug = format!("{with_secrets:?}");
+        for leaked in [secret, "db-pass-123", "btc-pass-456"] {
+            assert!(!debug.contains(leaked), "{leaked} appears in {debug}");
+        }
+        assert!(toml::from_str::<FileConfig>("[eth]\nrpc_urll = \"x\"\n").is_err(), "typos are refused");
+    }
+}

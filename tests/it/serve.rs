@@ -1,0 +1,167 @@
+//! `custodian serve` as operators run it: two processes on one database, SIGTERM while busy,
+//! and keys that never reach the logs.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use custodian_testkit::{eventually, Anvil, TestDb};
+use serde_json::json;
+
+use crate::harness::custodian;
+use crate::withdrawals::Harness;
+
+/// anvil's dev keys 1 and 2 (lanes a and b in the harness).
+const LANE_KEYS: [&str; 2] = [
+    "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d",
+    "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a",
+];
+
+struct Served {
+    child: Child,
+    stderr_log: std::path::PathBuf,
+    metrics: String,
+}
+
+impl Served {
+    fn start(db: &TestDb, anvil: &Anvil, config: &std::path::Path, log: &str) -> Served {
+        let stderr_log = std::env::temp_dir().join(format!("custodian-serve-{}-{log}.log", std::process::id()));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_custodian"));
+        for (key, _) in std::env::vars() {
+            if key.starts_with("CUSTODIAN_") && key != "CUSTODIAN_ANVIL" {
+                command.env_remove(key);
+            }
+        }
+        let mut child = command
+            .env("CUSTODIAN_DATABASE_URL", db.url.expose())
+            .env("CUSTODIAN_LOG", "trace")
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(["--eth-rpc", &anvil.url, "--grpc-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--confirmations", "1", "--interval-ms", "100"])
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).expect("log file"))
+            .spawn()
+            .expect("starting custodian serve");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut metrics = String::new();
+        for _ in 0..2 {
+            let line = lines.next().expect("serve prints its addresses").expect("utf-8");
+            if let Some(address) = line.strip_prefix("metrics listening on ") {
+                metrics = address.to_owned();
+            }
+        }
+        assert!(!metrics.is_empty());
+        Served { child, stderr_log, metrics }
+    }
+
+    fn terminate(mut self) -> (i32, String) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+        assert!(sent.success());
+        let status = self.child.wait().expect("serve exits");
+        let log = std::fs::read_to_string(&self.stderr_log).unwrap_or_default();
+        let _ = std::fs::remove_file(&self.stderr_log);
+        (status.code().expect("exited, not killed by a signal"), log)
+    }
+}
+
+fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("custodian-{}-{name}.toml", std::process::id()));
+    std::fs::write(&path, contents).expect("config");
+    path
+}
+
+async fn http_get(address: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    response
+}
+
+#[tokio::test]
+async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_verifiable_ledger() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 100 * 1_000_000_000_000_000_000).await;
+    let config = config_file(
+        "two",
+        &format!("[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n", LANE_KEYS[0], LANE_KEYS[1]),
+    );
+    let first = Served::start(&h.db, &h.anvil, &config, "first");
+    let second = Served::start(&h.db, &h.anvil, &config, "second");
+    for n in 0..60u64 {
+        h.request(alice, &format!("serve-{n}"), &format!("0x{:040x}", 0x7777_0000u64 + n), 1_000_000 + u128::from(n))
+            .await
+            .unwrap();
+    }
+    eventually("every withdrawal confirmed by the two processes", Duration::from_secs(90), || async {
+        (h.count("select count(*) from withdrawal where state = 'confirmed'").await == 60).then_some(())
+    })
+    .await;
+    let metrics = http_get(&first.metrics, "/metrics").await;
+    assert!(metrics.contains("custodian_withdrawals_total"), "{metrics}");
+    assert!(http_get(&second.metrics, "/healthz").await.starts_with("HTTP/1.1 200"));
+
+    // A busy moment: more requests arrive, and both processes are told to stop.
+    for n in 60..80u64 {
+        h.request(alice, &format!("serve-{n}"), &format!("0x{:040x}", 0x7777_0000u64 + n), 1_000_000).await.unwrap();
+    }
+    let (code_1, log_1) = first.terminate();
+    let (code_2, log_2) = second.terminate();
+    assert_eq!((code_1, code_2), (0, 0), "SIGTERM is a clean stop");
+
+    assert_eq!(h.count("select count(*) from (select from_address, nonce from nonce_allocation group by 1, 2 having count(*) > 1) d").await, 0);
+    assert_eq!(
+        h.count("select count(*) from withdrawal_attempt").await,
+        h.count("select count(*) from nonce_allocation").await,
+        "one payload per nonce"
+    );
+    assert_eq!(
+        h.count("select count(*) from (select withdrawal_id from withdrawal_attempt group by 1 having count(*) > 1) d")
+            .await,
+        0,
+        "no withdrawal sent twice"
+    );
+    for n in 0..60u64 {
+        assert_eq!(
+            h.balance(&format!("0x{:040x}", 0x7777_0000u64 + n)).await,
+            alloy_primitives::U256::from(1_000_000 + n)
+        );
+    }
+    h.verify().await;
+    let verified = custodian(h.db.url.expose(), &["replay", "--verify"]);
+    assert_eq!(verified.code, 0, "{}", verified.stdout);
+    for (log, key) in [(&log_1, LANE_KEYS[0]), (&log_2, LANE_KEYS[1])] {
+        assert!(!log.contains(&key[2..]), "a hot key appeared in the trace log");
+    }
+    let _ = std::fs::remove_file(config);
+}
+
+#[tokio::test]
+async fn a_configured_private_key_never_appears_in_logs_or_debug_output() {
+    let h = Harness::start(&[]).await;
+    let key = LANE_KEYS[0];
+    let config =
+        config_file("secret", &format!("database_url = \"{}\"\n[hot_keys.a]\nkey = \"{key}\"\n", h.db.url.expose()));
+    // A pass with trace logging and a failing command both print plenty; neither prints the key.
+    let run = Command::new(env!("CARGO_BIN_EXE_custodian"))
+        .env("CUSTODIAN_LOG", "trace")
+        .env_remove("CUSTODIAN_DATABASE_URL")
+        .args(["work", "--once", "--eth-rpc", &h.anvil.url, "--config"])
+        .arg(&config)
+        .output()
+        .expect("runs");
+    let printed = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{printed}");
+    assert!(!printed.contains(&key[2..]) && !printed.contains(&key[2..18]), "{printed}");
+    let broken = config_file("broken", &format!("[hot_keys.a]\nkey = \"{key}\"\nunknown = 1\n"));
+    let run =
+        Command::new(env!("CARGO_BIN_EXE_custodian")).args(["status", "--config"]).arg(&broken).output().expect("runs");
+    let printed = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert_eq!(run.status.code(), Some(2), "{printed}");
+    assert!(!printed.contains(&key[2..18]), "{printed}");
+    let _ = h.rpc("eth_chainId", json!([])).await;
+    let _ = (std::fs::remove_file(config), std::fs::remove_file(broken));
+}
