@@ -85,7 +85,7 @@ async fn main() {
         per_second(report.posted, post_time)
     );
     assert_eq!(report.posted as i64, deposits, "every deposit is confirmed and attributed");
-    client.batch_execute("analyze").await.unwrap();
+    client.batch_execute("vacuum analyze").await.unwrap();
 
     let mut samples = Vec::with_capacity(BALANCE_SAMPLES);
     for i in 0..BALANCE_SAMPLES {
