@@ -106,7 +106,9 @@ pub async fn for_account<C: GenericClient>(
     account_id: i64,
     account_ref: &str,
 ) -> Result<Vec<Balance>, tokio_postgres::Error> {
-    let rows = client.query(BALANCES, &[&account_id]).await?;
+    // Prepared once per connection: planning this query costs about as much as running it.
+    let statement = client.prepare_cached(BALANCES).await?;
+    let rows = client.query(&statement, &[&account_id]).await?;
     let mut balances = Vec::with_capacity(rows.len());
     for r in rows {
         let asset: String = r.get(0);
