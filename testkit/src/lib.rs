@@ -4,6 +4,7 @@
 pub mod anvil;
 pub mod btcsim;
 pub mod db;
+pub mod fixtures;
 
 pub use anvil::Anvil;
 pub use btcsim::BitcoinSim;

@@ -64,31 +64,13 @@ impl Harness {
 
     /// An account credited with `wei` by a confirmed deposit fact, as the posting pass would.
     pub async fn funded_account(&self, name: &str, wei: u128) -> i64 {
-        let client = self.db.pool.get().await.unwrap();
+        let client = self.db.client().await;
         let id: i64 = client
             .query_one("insert into account (external_ref) values ($1) returning id", &[&name])
             .await
             .unwrap()
             .get(0);
-        let address = format!("0x{:040x}", 0xdead_0000u64 + id as u64);
-        let block = format!("0x{:064x}", 0xb10c_0000u64 + id as u64);
-        let tx = format!("0x{:064x}", 0x7e57_0000u64 + id as u64);
-        client
-            .batch_execute(&format!(
-                "insert into wallet_address (chain, address, account_id) values ('eth', '{address}', {id});
-                 insert into chain_block (chain, height, block_hash, parent_hash) values ('eth', {id} + 1000000, '{block}', '{block}');
-                 insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
-                      values ('eth', '{block}', '{tx}', 0, '{address}', 'ETH', {wei});
-                 begin;
-                 insert into ledger_transfer (idempotency_key, kind, reference) values ('deposit:eth:{tx}:0', 'deposit',
-                      jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'output_index', 0, 'block_hash', '{block}'));
-                 insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
-                      (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {wei}),
-                      (currval('ledger_transfer_id_seq'), 'user:{id}', 'ETH', 'credit', {wei});
-                 commit;"
-            ))
-            .await
-            .unwrap();
+        custodian_testkit::fixtures::credit_eth(&client, id, 0, wei).await;
         id
     }
 

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bitcoin::bip32::{DerivationPath, Xpriv, Xpub};
-use bitcoin::hashes::{hmac, sha512, Hash, HashEngine};
 use bitcoin::secp256k1::Secp256k1;
 use bitcoin::NetworkKind;
 use custodian_api::pb::accounts_client::AccountsClient;
@@ -37,29 +36,11 @@ pub const HOT_WALLET_KEY: &str = "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c
 /// Wei per ether.
 pub const ETHER: u128 = 1_000_000_000_000_000_000;
 
-/// BIP-39 seed of a mnemonic with an empty passphrase: PBKDF2-HMAC-SHA512, 2048 rounds, salt
-/// "mnemonic", one 64-byte block (as in `custodian_domain::hd`'s tests).
-fn bip39_seed(mnemonic: &str) -> [u8; 64] {
-    let prf = |parts: &[&[u8]]| {
-        let mut engine = hmac::HmacEngine::<sha512::Hash>::new(mnemonic.as_bytes());
-        for part in parts {
-            engine.input(part);
-        }
-        hmac::Hmac::<sha512::Hash>::from_engine(engine).to_byte_array()
-    };
-    let mut block = prf(&[b"mnemonic", &1u32.to_be_bytes()]);
-    let mut seed = block;
-    for _ in 1..2048 {
-        block = prf(&[&block]);
-        seed.iter_mut().zip(block).for_each(|(s, b)| *s ^= b);
-    }
-    seed
-}
-
 /// The dev mnemonic's account-level ETH key, m/44'/60'/0', derived here from the seed.
 pub fn dev_eth_xpub() -> Xpub {
     let secp = Secp256k1::new();
-    let master = Xpriv::new_master(NetworkKind::Main, &bip39_seed(DEV_MNEMONIC)).expect("valid seed");
+    let master = Xpriv::new_master(NetworkKind::Main, &custodian_testkit::fixtures::bip39_seed(DEV_MNEMONIC))
+        .expect("valid seed");
     let path: DerivationPath = "m/44'/60'/0'".parse().expect("valid path");
     let xpub = Xpub::from_priv(&secp, &master.derive_priv(&secp, &path).expect("derivable"));
     assert_eq!(xpub.to_string(), DEV_ETH_XPUB, "BIP-39 and BIP-32 derivation of the dev mnemonic");
@@ -176,28 +157,7 @@ impl Api {
     /// Credits `account` with `wei` by a deposit fact and its posted transfer, as the posting
     /// pass would (for tests that are not about deposits). `n` keeps facts of one account apart.
     pub async fn credit(&self, account: i64, n: u32, wei: u128) {
-        let client = self.db.pool.get().await.unwrap();
-        let seed = u64::try_from(account).unwrap() * 1000 + u64::from(n);
-        let address = format!("0x{:040x}", 0xdead_0000_0000u64 + seed);
-        let block = format!("0x{:064x}", 0xb10c_0000_0000u64 + seed);
-        let tx = format!("0x{:064x}", 0x7e57_0000_0000u64 + seed);
-        client
-            .batch_execute(&format!(
-                "insert into wallet_address (chain, address, account_id) values ('eth', '{address}', {account});
-                 insert into chain_block (chain, height, block_hash, parent_hash)
-                      values ('eth', {seed} + 1000000, '{block}', '{block}');
-                 insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
-                      values ('eth', '{block}', '{tx}', 0, '{address}', 'ETH', {wei});
-                 begin;
-                 insert into ledger_transfer (idempotency_key, kind, reference) values ('deposit:eth:{tx}:0', 'deposit',
-                      jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'output_index', 0, 'block_hash', '{block}'));
-                 insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
-                      (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {wei}),
-                      (currval('ledger_transfer_id_seq'), 'user:{account}', 'ETH', 'credit', {wei});
-                 commit;"
-            ))
-            .await
-            .expect("credit the account");
+        custodian_testkit::fixtures::credit_eth(&self.db.client().await, account, n, wei).await;
     }
 
     /// Registers anvil's dev account 1 as lane `a` without asking a node (its nonce starts at 0).
