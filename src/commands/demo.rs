@@ -13,6 +13,7 @@ pub use story::run;
 #[cfg(feature = "demo")]
 mod story {
     use std::collections::HashMap;
+    use std::str::FromStr;
     use std::sync::Arc;
     use std::time::Instant;
 
@@ -333,6 +334,4 @@ mod story {
         say(format!("\ndemo finished in {:.0?}", started.elapsed()));
         Ok(Exit::Success)
     }
-
-    use std::str::FromStr;
 }

@@ -10,18 +10,6 @@ use serde_json::json;
 use crate::exit::{invalid, Exit};
 use crate::settings::Settings;
 
-/// Resolves a symbol or key of `chain` to (asset key, decimals).
-async fn resolve_asset(client: &deadpool_postgres::Object, chain: Chain, asset: &str) -> Result<(String, u8)> {
-    let row = client
-        .query_opt(
-            "select asset, decimals from asset where chain = $1 and (asset = $2 or upper(symbol) = upper($2))",
-            &[&chain.as_str(), &asset],
-        )
-        .await?
-        .ok_or_else(|| invalid(format!("unknown asset {asset:?} on {chain}")))?;
-    Ok((row.get(0), u8::try_from(row.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77")))
-}
-
 pub async fn policy_set(
     settings: &Settings,
     chain: Chain,
@@ -34,7 +22,9 @@ pub async fn policy_set(
     }
     let pool = super::pool(settings).await?;
     let client = pool.get().await?;
-    let (asset, decimals) = resolve_asset(&client, chain, asset).await?;
+    let (asset, decimals) = ownership::find_asset(&client, chain, asset)
+        .await?
+        .ok_or_else(|| invalid(format!("unknown asset {asset:?} on {chain}")))?;
     let min = Amount::parse_decimal(min_amount, decimals).map_err(|e| invalid(format!("--min-amount: {e}")))?;
     policy::set_tier(&client, chain, &asset, min, confirmations).await.context("setting the tier")?;
     if settings.json {

@@ -102,16 +102,9 @@ pub async fn lanes(settings: &Settings) -> Result<Exit> {
 }
 
 async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(String, u8)> {
-    let row = client
-        .query_opt(
-            "select asset, decimals from asset where chain = 'eth' and (asset = $1 or upper(symbol) = upper($1))",
-            &[&asset],
-        )
-        .await?
-        .ok_or_else(|| {
-            invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH and registered ERC-20 tokens)"))
-        })?;
-    Ok((row.get(0), u8::try_from(row.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77")))
+    ownership::find_asset(client, Chain::Eth, asset).await?.ok_or_else(|| {
+        invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH and registered ERC-20 tokens)"))
+    })
 }
 
 pub async fn request(

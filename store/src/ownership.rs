@@ -221,3 +221,20 @@ pub async fn asset_info<C: GenericClient>(
     let row = client.query_opt("select symbol, decimals from asset where asset = $1", &[&asset]).await?;
     Ok(row.map(|r| (r.get(0), u8::try_from(r.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"))))
 }
+
+/// An asset of `chain` named by its symbol (any case) or its key (a checksummed contract is
+/// accepted): its key and decimals, if registered. Operators and clients name assets this way.
+pub async fn find_asset<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    name: &str,
+) -> Result<Option<(String, u8)>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "select asset, decimals from asset
+              where chain = $1 and (lower(asset) = lower($2) or upper(symbol) = upper($2))",
+            &[&chain.as_str(), &name],
+        )
+        .await?;
+    Ok(row.map(|r| (r.get(0), u8::try_from(r.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"))))
+}

@@ -20,12 +20,6 @@ use crate::services::accounts::account_by_id;
 use crate::tokens::Scope;
 use crate::{status, time, wire, State};
 
-/// The withdrawals that pay out on eth (the only chain with hot wallets), by symbol or key. Keys
-/// are stored lowercase; a checksummed contract in a key is accepted.
-const RESOLVE_ASSET: &str = "
-select asset, decimals from asset
- where chain = 'eth' and (lower(asset) = lower($1) or upper(symbol) = upper($1))";
-
 const WITHDRAWAL_BY_ID: &str = "
 select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.destination, w.amount, w.state,
        w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at
@@ -151,18 +145,17 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let asset = wire::required(&message.asset, "asset")?;
         let mut client = self.state.client().await?;
         account_by_id(&client, message.account_id).await?;
-        let resolved = client
-            .query_opt(RESOLVE_ASSET, &[&asset])
-            .await
-            .map_err(|e| status::database("resolving the asset", &e))?
-            .ok_or_else(|| {
-                Status::invalid_argument(format!(
-                    "unknown asset {asset:?}: withdrawals pay out ETH and registered ERC-20 tokens, \
+        // Withdrawals pay out on eth, the only chain with hot wallets.
+        let (asset, asset_decimals) =
+            custodian_store::ownership::find_asset(&client, custodian_domain::Chain::Eth, asset)
+                .await
+                .map_err(|e| status::database("resolving the asset", &e))?
+                .ok_or_else(|| {
+                    Status::invalid_argument(format!(
+                        "unknown asset {asset:?}: withdrawals pay out ETH and registered ERC-20 tokens, \
                      named by symbol or key"
-                ))
-            })?;
-        let (asset, asset_decimals): (String, u8) =
-            (resolved.get(0), u8::try_from(resolved.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"));
+                    ))
+                })?;
         let (amount, decimals) = amount_input(message.amount.as_ref(), asset_decimals)?;
         let (destination, amount) = request::parse(&message.destination, amount, decimals).map_err(status::request)?;
         let parsed = WithdrawalRequest {
