@@ -252,7 +252,18 @@ async fn events_print_the_history_in_order_and_resume_after_a_position() {
     sim.mine_empty(1);
     scan_and_post(&db, &sim).await;
     let url = db.url.expose();
-    let all = custodian(url, &["events", "--json"]).json();
+    // The history shows only facts older than every transaction still running on the server
+    // (other tests' included), so wait until ours have settled.
+    let all = custodian_testkit::eventually(
+        "our facts to settle into the history",
+        std::time::Duration::from_secs(30),
+        || async {
+            let all = custodian(url, &["events", "--json"]).json();
+            let settled = all.as_array().unwrap().iter().any(|f| f["kind"] == "ledger_transfer");
+            settled.then_some(all)
+        },
+    )
+    .await;
     let kinds: Vec<&str> = all.as_array().unwrap().iter().map(|f| f["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds.iter().filter(|k| **k == "block").count(), 3);
     assert!(kinds.contains(&"deposit_observed") && kinds.contains(&"ledger_transfer"), "{kinds:?}");
