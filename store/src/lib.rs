@@ -8,9 +8,11 @@ pub mod deposit_addresses;
 pub mod events;
 pub mod migrate;
 pub mod ownership;
+pub mod pipeline;
 pub mod pool;
 
 pub use events::{append_withdrawal_event, AppendError};
+pub use pipeline::Pipelined;
 pub use pool::{connect, DatabaseUrl, Pool, PoolError, DEFAULT_DATABASE_URL};
 
 /// SQLSTATE of a unique or primary-key violation.

@@ -5,6 +5,7 @@ mod append_only;
 mod deposit_addresses;
 mod events;
 mod ledger;
+mod pipeline;
 mod schema;
 
 use tokio_postgres::Client;

@@ -1,0 +1,93 @@
+//! A lock-then-write transaction in two round trips instead of four: `BEGIN` travels with the
+//! first statement, and `COMMIT` with the writes.
+//!
+//! tokio-postgres sends each request when its future is first polled and answers them in order,
+//! so requests joined in one poll share a round trip. Opening with `Client::transaction` instead
+//! waits for `BEGIN` on its own, and `Transaction::commit` waits again after the writes.
+//!
+//! The server runs pipelined statements one after another as usual: if one fails, the rest fail
+//! with "current transaction is aborted" and the `COMMIT` behind them ends the transaction as a
+//! rollback. [`Pipelined::commit_with`] therefore returns `Ok` only when every statement and the
+//! commit succeeded.
+
+use deadpool_postgres::Object;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Error, Row, Statement};
+
+/// Parameters of one statement.
+pub type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+/// One pooled connection inside a pipelined transaction.
+///
+/// # Cancel safety
+/// Dropped before [`Pipelined::commit_with`] or [`Pipelined::rollback`] finished (a cancelled
+/// future, an error returned early), the connection is taken out of the pool and closed rather
+/// than handed back mid-transaction: the server rolls back and releases the locks. Nothing is
+/// committed unless the commit succeeded.
+pub struct Pipelined {
+    client: Option<Object>,
+}
+
+impl Pipelined {
+    /// Sends `BEGIN` and `statement` in one round trip; returns the statement's rows.
+    ///
+    /// Prepare `statement` (with `prepare_cached`) before calling: a statement prepared once per
+    /// connection costs no round trip here. Every statement of the transaction runs its generic
+    /// plan: they are meant to be short keyed statements, for which planning each execution
+    /// afresh costs more than the execution itself.
+    pub async fn begin_with(
+        client: Object,
+        statement: &Statement,
+        params: Params<'_>,
+    ) -> Result<(Pipelined, Vec<Row>), Error> {
+        let open = Pipelined { client: Some(client) };
+        let rows = {
+            let client = open.client();
+            let (_, rows) = futures::try_join!(
+                client.batch_execute("begin; set local plan_cache_mode = force_generic_plan"),
+                client.query(statement, params)
+            )?;
+            rows
+        };
+        Ok((open, rows))
+    }
+
+    /// The connection, to prepare or run further statements inside the transaction.
+    pub fn client(&self) -> &Object {
+        self.client.as_ref().expect("BUG: a finished pipelined transaction was used")
+    }
+
+    /// Runs `statements` in order and `COMMIT`, all in one round trip; returns the rows each
+    /// statement affected. `Ok` means committed.
+    pub async fn commit_with(mut self, statements: &[(&Statement, Params<'_>)]) -> Result<Vec<u64>, Error> {
+        let affected = {
+            let client = self.client();
+            let writes = futures::future::try_join_all(statements.iter().map(|(s, p)| client.execute(*s, p)));
+            let (affected, ()) = futures::try_join!(writes, client.batch_execute("commit"))?;
+            affected
+        };
+        self.finish();
+        Ok(affected)
+    }
+
+    /// Ends the transaction without writing anything.
+    pub async fn rollback(mut self) -> Result<(), Error> {
+        self.client().batch_execute("rollback").await?;
+        self.finish();
+        Ok(())
+    }
+
+    /// Hands the connection back to the pool, outside any transaction.
+    fn finish(&mut self) {
+        drop(self.client.take());
+    }
+}
+
+impl Drop for Pipelined {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            // Still inside the transaction: close the connection instead of pooling it.
+            drop(Object::take(client));
+        }
+    }
+}

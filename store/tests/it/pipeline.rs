@@ -1,0 +1,77 @@
+//! The pipelined transaction: committed only when every statement and the commit succeed, and
+//! never handed back to the pool while still open.
+
+use std::time::{Duration, Instant};
+
+use custodian_store::Pipelined;
+use custodian_testkit::TestDb;
+
+const LOCK: &str = "select id from account where id = $1 for update";
+const ADD: &str = "insert into account (external_ref) values ($1)";
+
+async fn accounts(db: &TestDb) -> Vec<String> {
+    let client = db.client().await;
+    let rows = client.query("select external_ref from account order by id", &[]).await.expect("read");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+async fn seeded() -> TestDb {
+    let db = TestDb::new().await;
+    db.client().await.batch_execute("insert into account (external_ref) values ('locked')").await.expect("seed");
+    db
+}
+
+#[tokio::test]
+async fn commits_every_statement_and_returns_the_connection_to_the_pool() {
+    let db = seeded().await;
+    let client = db.pool.get().await.expect("pooled");
+    let (lock, add) =
+        (client.prepare_cached(LOCK).await.expect("prepare"), client.prepare_cached(ADD).await.expect("prepare"));
+    let (tx, rows) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    assert_eq!(rows.len(), 1, "the locked row comes back");
+    let affected = tx.commit_with(&[(&add, &[&"a"]), (&add, &[&"b"])]).await.expect("commit");
+    assert_eq!(affected, vec![1, 1]);
+    assert_eq!(accounts(&db).await, ["locked", "a", "b"]);
+    let status = db.pool.status();
+    assert_eq!((status.size, status.available), (1, 1), "the connection went back to the pool, idle");
+    let other = db.client().await;
+    let rows = other.query("select id from account where id = 1 for update nowait", &[]).await.expect("lock released");
+    assert_eq!(rows.len(), 1);
+}
+
+#[tokio::test]
+async fn a_failing_statement_commits_nothing() {
+    let db = seeded().await;
+    let client = db.pool.get().await.expect("pooled");
+    let (lock, add) =
+        (client.prepare_cached(LOCK).await.expect("prepare"), client.prepare_cached(ADD).await.expect("prepare"));
+    let (tx, _) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    // The second insert repeats the first's unique external_ref.
+    let error = tx.commit_with(&[(&add, &[&"a"]), (&add, &[&"a"]), (&add, &[&"c"])]).await.expect_err("refused");
+    assert!(custodian_store::is_unique_violation(&error, None), "{error}");
+    assert_eq!(accounts(&db).await, ["locked"], "the first insert was rolled back with the rest");
+}
+
+#[tokio::test]
+async fn dropped_midway_it_closes_the_connection_and_releases_the_lock() {
+    let db = seeded().await;
+    let client = db.pool.get().await.expect("pooled");
+    let lock = client.prepare_cached(LOCK).await.expect("prepare");
+    let (tx, _) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    let other = db.client().await;
+    let held = other.query("select id from account where id = 1 for update nowait", &[]).await;
+    assert!(held.is_err(), "the row is locked while the transaction is open");
+    drop(tx);
+    assert_eq!(db.pool.status().size, 0, "the open connection was not pooled");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match other.query("select id from account where id = 1 for update nowait", &[]).await {
+            Ok(rows) => {
+                assert_eq!(rows.len(), 1);
+                break;
+            }
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("the lock was never released: {e}"),
+        }
+    }
+}
