@@ -14,12 +14,12 @@ use alloy::eips::eip2718::Decodable2718;
 use alloy_primitives::{Address, Bytes, TxKind, U256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
-use custodian_store::Pool;
+use custodian_store::{Pipelined, Pool};
 use serde::Serialize;
 
 use crate::hot_wallet::{self, Lane};
 use crate::rpc::{EthNode, NodeError};
-use crate::signer::{Signer, SignerError};
+use crate::signer::{SignedTx, Signer, SignerError};
 use crate::sql::{self, Movement, StoreError};
 
 /// Gas of a plain ether transfer.
@@ -165,6 +165,42 @@ fn hex(value: impl std::fmt::LowerHex) -> String {
 fn decode(raw: &[u8]) -> TxEip1559 {
     let envelope = TxEnvelope::decode_2718(&mut &raw[..]).expect("BUG: a stored attempt does not decode");
     envelope.as_eip1559().expect("BUG: attempts are EIP-1559").tx().clone()
+}
+
+/// Batches at least this large are signed on several threads (each thread takes at least
+/// half of this many), so that a lane's row lock is held for less time.
+const PARALLEL_SIGNING_FROM: usize = 16;
+
+/// At most this many threads sign one batch.
+const MAX_SIGNING_THREADS: usize = 4;
+
+/// Signs `txs` in order, on as many threads as there are cores (up to
+/// [`MAX_SIGNING_THREADS`]) when the batch is large enough to be worth it. The allocating
+/// transaction waits on this with the lane locked, and the database is idle meanwhile.
+fn sign_all(signer: &dyn Signer, txs: Vec<TxEip1559>) -> Result<Vec<SignedTx>, SignerError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SIGNING_THREADS);
+    let threads = cores.min(txs.len() / (PARALLEL_SIGNING_FROM / 2)).max(1);
+    if threads == 1 {
+        return txs.into_iter().map(|tx| signer.sign(tx)).collect();
+    }
+    let chunk = txs.len().div_ceil(threads);
+    let mut chunks: Vec<Vec<TxEip1559>> = Vec::with_capacity(threads);
+    let mut rest = txs.into_iter();
+    for _ in 0..threads {
+        chunks.push(rest.by_ref().take(chunk).collect());
+    }
+    std::thread::scope(|scope| {
+        let mut chunks = chunks.into_iter();
+        let first = chunks.next().expect("BUG: no chunk to sign");
+        let others: Vec<_> = chunks
+            .map(|c| scope.spawn(move || c.into_iter().map(|tx| signer.sign(tx)).collect::<Result<Vec<_>, _>>()))
+            .collect();
+        let mut signed = first.into_iter().map(|tx| signer.sign(tx)).collect::<Result<Vec<_>, _>>()?;
+        for other in others {
+            signed.extend(other.join().expect("BUG: a signing thread panicked")?);
+        }
+        Ok(signed)
+    })
 }
 
 /// Fees and context of one allocation round, read from the node before the transaction.
@@ -511,7 +547,8 @@ impl Worker {
     /// Returns how many were signed.
     ///
     /// # Cancel safety
-    /// One transaction: cancelled or crashed before commit, no nonce is consumed.
+    /// One transaction, pipelined in two round trips ([`Pipelined`]): cancelled or crashed before
+    /// commit, no nonce is consumed, and the connection is closed rather than pooled.
     pub async fn sign_batch(
         &self,
         lane: &Lane,
@@ -522,18 +559,30 @@ impl Worker {
         let Pricing { chain_id, max_fee, priority_fee, head } = *pricing;
         let gas: HashMap<i64, u64> = ready.iter().copied().collect();
         let ids: Vec<i64> = ready.iter().map(|(id, _)| *id).collect();
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        // One round trip: lock the lane's row (every allocation on the lane serialises here), then
-        // the withdrawals still requested that no other worker holds.
-        let lock = tx.prepare_cached(LOCK_LANE_AND_WITHDRAWALS).await?;
-        let rows = tx.query(&lock, &[&lane.lane, &ids]).await?;
-        let Some(first) = rows.first() else { return Ok(0) };
+        let client = self.pool.get().await?;
+        // Prepared once per connection, so none of these costs a round trip after the first batch.
+        let (lock, allocate, attempt, append, project, advance) = futures::try_join!(
+            client.prepare_cached(LOCK_LANE_AND_WITHDRAWALS),
+            client.prepare_cached(INSERT_ALLOCATIONS),
+            client.prepare_cached(INSERT_ATTEMPTS),
+            client.prepare_cached(APPEND_SIGNED),
+            client.prepare_cached(PROJECT_SIGNED),
+            client.prepare_cached(ADVANCE_NONCE),
+        )?;
+        // First round trip: BEGIN, then lock the lane's row (every allocation on the lane
+        // serialises here) and the withdrawals still requested that no other worker holds.
+        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane, &ids]).await?;
+        let Some(first) = rows.first() else {
+            tx.rollback().await?;
+            return Ok(0);
+        };
         let (next_nonce, paused): (i64, bool) = (first.get(0), first.get(1));
         if paused {
+            tx.rollback().await?;
             return Ok(0);
         }
         let mut batch = SignedBatch::default();
+        let mut unsigned = Vec::new();
         let mut nonce = next_nonce;
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
             let w = Withdrawal {
@@ -554,10 +603,9 @@ impl Worker {
                 attempt_at_block: None,
             };
             let (to, value, input) = payout_call(&w);
-            let nonce_u64 = u64::try_from(nonce).expect("BUG: negative nonce");
-            let unsigned = TxEip1559 {
+            unsigned.push(TxEip1559 {
                 chain_id,
-                nonce: nonce_u64,
+                nonce: u64::try_from(nonce).expect("BUG: negative nonce"),
                 gas_limit: gas[&w.id],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
@@ -565,53 +613,43 @@ impl Worker {
                 value,
                 input,
                 ..Default::default()
-            };
-            let signed_tx = signer.sign(unsigned)?;
-            let hash = hex(signed_tx.hash);
-            let event = WithdrawalEvent::Signed {
-                from_address: lane.address.clone(),
-                nonce: nonce_u64,
-                tx_hash: hash.clone(),
-                at_block: head,
-            };
+            });
             batch.ids.push(w.id);
             batch.nonces.push(nonce);
             batch.seqs.push(w.last_seq + 1);
+            nonce += 1;
+        }
+        for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
+            let hash = hex(signed_tx.hash);
+            let event = WithdrawalEvent::Signed {
+                from_address: lane.address.clone(),
+                nonce: u64::try_from(*nonce).expect("BUG: negative nonce"),
+                tx_hash: hash.clone(),
+                at_block: head,
+            };
             batch.payloads.push(event.payload());
             batch.hashes.push(hash);
             batch.raws.push(signed_tx.raw);
-            nonce += 1;
         }
         let signed = batch.ids.len() as u64;
         if signed == 0 {
+            tx.rollback().await?;
             return Ok(0);
         }
-        // Everything else in one pipelined round trip. The primary key (chain, from_address,
-        // nonce) is the last word on double allocation; (withdrawal_id, seq) on the streams,
-        // whose rows we hold locked.
-        let (allocate, attempt, append, project, advance) = futures::try_join!(
-            tx.prepare_cached(INSERT_ALLOCATIONS),
-            tx.prepare_cached(INSERT_ATTEMPTS),
-            tx.prepare_cached(APPEND_SIGNED),
-            tx.prepare_cached(PROJECT_SIGNED),
-            tx.prepare_cached(ADVANCE_NONCE),
-        )?;
-        let allocate_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-            [&lane.address, &batch.nonces, &batch.ids];
-        let attempt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-            [&batch.hashes, &batch.ids, &lane.address, &batch.nonces, &batch.raws, &max_fee, &priority_fee];
-        let append_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&batch.ids, &batch.seqs, &batch.payloads];
-        let project_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-            [&batch.ids, &batch.seqs, &lane.address, &batch.nonces, &batch.hashes];
-        let advance_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&lane.lane, &nonce];
-        futures::try_join!(
-            tx.execute(&allocate, &allocate_params),
-            tx.execute(&attempt, &attempt_params),
-            tx.execute(&append, &append_params),
-            tx.execute(&project, &project_params),
-            tx.execute(&advance, &advance_params),
-        )?;
-        tx.commit().await?;
+        // Second round trip: every write and COMMIT. The primary key (chain, from_address, nonce)
+        // is the last word on double allocation; (withdrawal_id, seq) on the streams, whose rows
+        // we hold locked.
+        tx.commit_with(&[
+            (&allocate, &[&lane.address, &batch.nonces, &batch.ids]),
+            (
+                &attempt,
+                &[&batch.hashes, &batch.ids, &lane.address, &batch.nonces, &batch.raws, &max_fee, &priority_fee],
+            ),
+            (&append, &[&batch.ids, &batch.seqs, &batch.payloads]),
+            (&project, &[&batch.ids, &batch.seqs, &lane.address, &batch.nonces, &batch.hashes]),
+            (&advance, &[&lane.lane, &nonce]),
+        ])
+        .await?;
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
         Ok(signed)
     }
