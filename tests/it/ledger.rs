@@ -278,3 +278,53 @@ async fn events_print_the_history_in_order_and_resume_after_a_position() {
     let bad = custodian(url, &["events", "--from", "999999"]);
     assert_eq!(bad.code, 2, "{}", bad.stderr);
 }
+
+#[tokio::test]
+async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
+    let db = TestDb::new().await;
+    let sim = BitcoinSim::start().await;
+    let address = sim.address(AddrKind::P2wpkh, 3);
+    new_account(&db, "alice", &address, 0).await;
+    let paid = sim.pay(&[(address.clone(), Sats::from_sat(5_000))]);
+    sim.mine(&[paid]);
+    sim.mine_empty(1);
+    assert_eq!(scan_and_post(&db, &sim).await.posted, 1);
+    let mut pooled = db.pool.get().await.unwrap();
+    assert!(custodian_projections::replay::verify(&mut pooled).await.unwrap().verified());
+
+    // As a superuser, past the triggers that refuse both: a third leg on the deposit's transfer,
+    // and a transfer with no postings at all.
+    let client = db.client().await;
+    let deposit: i64 =
+        client.query_one("select id from ledger_transfer where kind = 'deposit'", &[]).await.unwrap().get(0);
+    client
+        .batch_execute(&format!(
+            "set session_replication_role = replica;
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+                  values ({deposit}, 'user:1', 'BTC', 'credit', 1);
+             insert into ledger_transfer (idempotency_key, kind) values ('adj:empty', 'adjustment');
+             set session_replication_role = origin;"
+        ))
+        .await
+        .unwrap();
+    let empty: i64 =
+        client.query_one("select id from ledger_transfer where kind = 'adjustment'", &[]).await.unwrap().get(0);
+
+    let report = custodian_projections::replay::verify(&mut pooled).await.unwrap();
+    let balance: Vec<&str> =
+        report.differences.iter().filter(|d| d.check == "transfers balance").map(|d| d.detail.as_str()).collect();
+    let key: String = client
+        .query_one("select idempotency_key from ledger_transfer where id = $1", &[&deposit])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        balance,
+        [
+            format!("transfer {deposit} ({key}): debits differ from credits in BTC"),
+            format!("transfer {empty} (adj:empty): it has no postings"),
+        ],
+        "{:#?}",
+        report.differences
+    );
+}
