@@ -140,6 +140,9 @@ pub struct Scanner<R> {
     pool: Pool,
     config: ScanConfig,
     after_step: Option<std::sync::Arc<dyn AfterStep>>,
+    /// The next batch (its first height and blocks), fetched while the previous one was being
+    /// stored, so that the node (or the reader's decoding) and the database work at once.
+    prefetched: std::sync::Mutex<Option<(u64, Vec<FetchedBlock>)>>,
 }
 
 enum Step {
@@ -150,7 +153,7 @@ enum Step {
 impl<R: ChainReader> Scanner<R> {
     /// A scanner reading from `reader` into `pool`.
     pub fn new(reader: R, pool: Pool, config: ScanConfig) -> Self {
-        Scanner { reader, pool, config, after_step: None }
+        Scanner { reader, pool, config, after_step: None, prefetched: std::sync::Mutex::new(None) }
     }
 
     /// Runs `hook` after every step that stored blocks or handled a reorg.
@@ -249,10 +252,17 @@ impl<R: ChainReader> Scanner<R> {
             return self.check_tip(node_tip, report, budget).await;
         }
         let end = node_tip.min(cursor + self.config.batch_blocks - 1);
-        let blocks = self.with_retry("fetching blocks", budget, || self.fetch_range(cursor, end)).await?;
+        let prefetched = self.prefetched.lock().expect("BUG: prefetch lock poisoned").take();
+        let blocks = match prefetched {
+            // Checked like any other batch: its first parent against our block below the cursor.
+            Some((from, blocks)) if from == cursor && !blocks.is_empty() => blocks,
+            _ => self.with_retry("fetching blocks", budget, || self.fetch_range(cursor, end)).await?,
+        };
         if blocks.is_empty() {
             return Ok(Step::CaughtUp);
         }
+        let next_from = blocks.last().expect("BUG: empty batch").height + 1;
+        let next_to = node_tip.min(next_from + self.config.batch_blocks - 1);
 
         let (watched, tokens) = {
             let client = self.pool.get().await?;
@@ -260,8 +270,24 @@ impl<R: ChainReader> Scanner<R> {
         };
         let deposits = deposits_in(chain, &blocks, &watched, &tokens);
         let mut client = self.pool.get().await?;
-        match sql::ingest_batch(&mut client, chain, &blocks, &deposits, self.config.retention_blocks).await {
+        // The next batch is fetched while this one is stored. The fetch is not part of the
+        // transaction (which neither waits for it nor depends on it); a failed fetch is simply
+        // retried next step, with backoff.
+        let prefetch = async {
+            if next_from > next_to {
+                return None;
+            }
+            self.fetch_range(next_from, next_to).await.ok()
+        };
+        let (stored, next) = futures::join!(
+            sql::ingest_batch(&mut client, chain, &blocks, &deposits, self.config.retention_blocks),
+            prefetch
+        );
+        match stored {
             Ok(outcome) => {
+                if let Some(next) = next {
+                    *self.prefetched.lock().expect("BUG: prefetch lock poisoned") = Some((next_from, next));
+                }
                 report.blocks += outcome.blocks_inserted;
                 report.deposits += outcome.deposits_inserted;
                 if outcome.orphaned > 0 {
