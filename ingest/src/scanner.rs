@@ -269,7 +269,7 @@ impl<R: ChainReader> Scanner<R> {
             (sql::watched_addresses(&client, chain).await?, sql::registered_tokens(&client).await?)
         };
         let deposits = deposits_in(chain, &blocks, &watched, &tokens);
-        let mut client = self.pool.get().await?;
+        let client = self.pool.get().await?;
         // The next batch is fetched while this one is stored. The fetch is not part of the
         // transaction (which neither waits for it nor depends on it); a failed fetch is simply
         // retried next step, with backoff.
@@ -280,7 +280,7 @@ impl<R: ChainReader> Scanner<R> {
             self.fetch_range(next_from, next_to).await.ok()
         };
         let (stored, next) = futures::join!(
-            sql::ingest_batch(&mut client, chain, &blocks, &deposits, self.config.retention_blocks),
+            sql::ingest_batch(client, chain, &blocks, &deposits, self.config.retention_blocks),
             prefetch
         );
         match stored {
@@ -306,7 +306,6 @@ impl<R: ChainReader> Scanner<R> {
                 Ok(Step::Stored)
             }
             Err(IngestError::ParentMismatch { height, .. }) => {
-                drop(client);
                 self.reconcile(height, report, budget).await?;
                 self.stepped().await;
                 Ok(Step::Stored)

@@ -4,7 +4,9 @@
 use std::collections::{HashMap, HashSet};
 
 use custodian_domain::Chain;
+use custodian_store::pipeline::{Params, Pipelined};
 use deadpool_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
 
 use crate::block::FetchedBlock;
 
@@ -174,9 +176,16 @@ select $1, n.height, n.block_hash, n.parent_hash
   from unnest($2::bigint[], $3::text[], $4::text[]) as n(height, block_hash, parent_hash)
 on conflict (chain, block_hash) do nothing";
 
-const REINSTATED: &str = "
-select block_hash from chain_block where chain = $1 and block_hash = any($2::text[]) and orphaned_at is not null
- limit 1";
+/// The cursor (locked), our canonical block just below the batch ($2, null below height 0), and
+/// any block of the batch ($3) that we orphaned before, in one statement. The last can be asked
+/// before the writes: orphaning what the batch replaces never touches the batch's own blocks,
+/// whose parents differ from the replaced ones'.
+const OPEN_BATCH: &str = "
+with cursor as (select next_height from scan_cursor where chain = $1 for update)
+select (select next_height from cursor),
+       (select block_hash from chain_block where chain = $1 and height = $2 and orphaned_at is null),
+       (select block_hash from chain_block where chain = $1 and block_hash = any($3::text[]) and orphaned_at is not null
+         limit 1)";
 
 const INSERT_RAW: &str = "
 insert into raw_block (chain, block_hash, payload)
@@ -200,10 +209,13 @@ delete from raw_block r using chain_block b
 /// Stores `blocks` (consecutive, each the parent of the next) and their deposits, advances the
 /// cursor past them and prunes payloads older than `retention_blocks`, all in one transaction.
 ///
+/// Two round trips ([`Pipelined`]): the cursor lock and checks, then every write with the commit.
+///
 /// # Cancel safety
-/// Everything happens in one transaction; a cancelled call rolls back and writes nothing.
+/// Everything happens in one transaction; a cancelled call rolls back, writes nothing and closes
+/// the connection rather than pooling it.
 pub async fn ingest_batch(
-    client: &mut deadpool_postgres::Object,
+    client: deadpool_postgres::Object,
     chain: Chain,
     blocks: &[FetchedBlock],
     deposits: &[DepositRow],
@@ -212,51 +224,64 @@ pub async fn ingest_batch(
     let db = |source| IngestError::Database { chain, source };
     let (Some(first), Some(last)) = (blocks.first(), blocks.last()) else { return Ok(IngestOutcome::default()) };
     let name = chain.as_str();
-    let tx = client.transaction().await.map_err(db)?;
-
-    let found = tx.query_opt(LOCK_CURSOR, &[&name]).await.map_err(db)?.map(|r| height_u64(r.get(0)));
-    if found != Some(first.height) {
-        return Err(IngestError::CursorMoved { chain, expected: first.height, found });
-    }
-    if let Some(below) = first.height.checked_sub(1) {
-        let ours: Option<String> = tx
-            .query_opt(
-                "select block_hash from chain_block where chain = $1 and height = $2 and orphaned_at is null",
-                &[&name, &height_i64(below)],
-            )
-            .await
-            .map_err(db)?
-            .map(|r| r.get(0));
-        if let Some(ours) = ours.filter(|ours| *ours != first.parent_hash) {
-            return Err(IngestError::ParentMismatch {
-                chain,
-                height: first.height,
-                parent: first.parent_hash.clone(),
-                ours,
-            });
-        }
-    }
-
     let heights: Vec<i64> = blocks.iter().map(|b| height_i64(b.height)).collect();
     let hashes: Vec<&str> = blocks.iter().map(|b| b.hash.as_str()).collect();
     let parents: Vec<&str> = blocks.iter().map(|b| b.parent_hash.as_str()).collect();
     let payloads: Vec<&[u8]> = blocks.iter().map(|b| b.payload.as_slice()).collect();
+    let columns = DepositColumns::new(deposits);
+    let deposit_params = columns.params(&name);
+    let below: Option<i64> = first.height.checked_sub(1).map(height_i64);
+    let next_height = height_i64(last.height + 1);
+    let horizon: Option<i64> = last.height.checked_sub(retention_blocks).map(height_i64);
 
-    let orphaned = tx.execute(ORPHAN_REPLACED, &[&name, &heights, &hashes]).await.map_err(db)?;
-    let blocks_inserted = tx.execute(INSERT_BLOCKS, &[&name, &heights, &hashes, &parents]).await.map_err(db)?;
-    if let Some(row) = tx.query_opt(REINSTATED, &[&name, &hashes]).await.map_err(db)? {
-        return Err(IngestError::Reinstated { chain, hash: row.get(0) });
+    // Prepared once per connection: no statement costs a round trip of its own after the first.
+    let (open, orphan, insert_blocks, insert_raw, insert_deposits, advance, prune) = futures::try_join!(
+        client.prepare_cached(OPEN_BATCH),
+        client.prepare_cached(ORPHAN_REPLACED),
+        client.prepare_cached(INSERT_BLOCKS),
+        client.prepare_cached(INSERT_RAW),
+        client.prepare_cached(INSERT_DEPOSITS),
+        client.prepare_cached(ADVANCE_CURSOR),
+        client.prepare_cached(PRUNE_RAW),
+    )
+    .map_err(db)?;
+
+    // First round trip: BEGIN, the cursor lock and the checks.
+    let (tx, rows) = Pipelined::begin_with(client, &open, &[&name, &below, &hashes]).await.map_err(db)?;
+    let row = rows.first().expect("BUG: a scalar select returned no row");
+    let found = row.get::<_, Option<i64>>(0).map(height_u64);
+    let ours: Option<String> = row.get(1);
+    let reinstated: Option<String> = row.get(2);
+    let refused = if found != Some(first.height) {
+        Some(IngestError::CursorMoved { chain, expected: first.height, found })
+    } else if let Some(ours) = ours.filter(|ours| *ours != first.parent_hash) {
+        Some(IngestError::ParentMismatch { chain, height: first.height, parent: first.parent_hash.clone(), ours })
+    } else {
+        reinstated.map(|hash| IngestError::Reinstated { chain, hash })
+    };
+    if let Some(refused) = refused {
+        tx.rollback().await.map_err(db)?;
+        return Err(refused);
     }
-    tx.execute(INSERT_RAW, &[&name, &hashes, &payloads]).await.map_err(db)?;
 
-    let deposits_inserted = insert_deposits(&tx, chain, deposits).await.map_err(db)?;
-
-    tx.execute(ADVANCE_CURSOR, &[&name, &height_i64(last.height + 1)]).await.map_err(db)?;
-    if let Some(horizon) = last.height.checked_sub(retention_blocks) {
-        tx.execute(PRUNE_RAW, &[&name, &height_i64(horizon)]).await.map_err(db)?;
+    // Second round trip: every write and COMMIT.
+    let orphan_params: [&(dyn ToSql + Sync); 3] = [&name, &heights, &hashes];
+    let block_params: [&(dyn ToSql + Sync); 4] = [&name, &heights, &hashes, &parents];
+    let raw_params: [&(dyn ToSql + Sync); 3] = [&name, &hashes, &payloads];
+    let advance_params: [&(dyn ToSql + Sync); 2] = [&name, &next_height];
+    let prune_params: [&(dyn ToSql + Sync); 2] = [&name, &horizon];
+    let mut writes: Vec<(&tokio_postgres::Statement, Params<'_>)> = vec![
+        (&orphan, &orphan_params),
+        (&insert_blocks, &block_params),
+        (&insert_raw, &raw_params),
+        (&insert_deposits, &deposit_params),
+        (&advance, &advance_params),
+    ];
+    if horizon.is_some() {
+        writes.push((&prune, &prune_params));
     }
-    tx.commit().await.map_err(db)?;
-    Ok(IngestOutcome { blocks_inserted, deposits_inserted, orphaned })
+    let affected = tx.commit_with(&writes).await.map_err(db)?;
+    Ok(IngestOutcome { orphaned: affected[0], blocks_inserted: affected[1], deposits_inserted: affected[3] })
 }
 
 /// Orphans every canonical block above `fork_height` and moves the cursor to `fork_height + 1`,
@@ -352,21 +377,39 @@ pub async fn insert_deposits<C: GenericClient>(
     if deposits.is_empty() {
         return Ok(0);
     }
-    let column = |f: fn(&DepositRow) -> &str| deposits.iter().map(f).collect::<Vec<_>>();
-    let indexes: Vec<i32> =
-        deposits.iter().map(|d| i32::try_from(d.output_index).expect("BUG: output index beyond i32")).collect();
-    client
-        .execute(
-            INSERT_DEPOSITS,
-            &[
-                &chain.as_str(),
-                &column(|d| &d.block_hash),
-                &column(|d| &d.tx_hash),
-                &indexes,
-                &column(|d| &d.address),
-                &column(|d| &d.asset),
-                &column(|d| &d.amount),
-            ],
-        )
-        .await
+    let name = chain.as_str();
+    let columns = DepositColumns::new(deposits);
+    client.execute(INSERT_DEPOSITS, &columns.params(&name)).await
+}
+
+/// Deposit rows as the column arrays `INSERT_DEPOSITS` takes.
+struct DepositColumns<'a> {
+    block_hashes: Vec<&'a str>,
+    tx_hashes: Vec<&'a str>,
+    indexes: Vec<i32>,
+    addresses: Vec<&'a str>,
+    assets: Vec<&'a str>,
+    amounts: Vec<&'a str>,
+}
+
+impl<'a> DepositColumns<'a> {
+    fn new(deposits: &'a [DepositRow]) -> Self {
+        let column = |f: fn(&DepositRow) -> &str| deposits.iter().map(f).collect::<Vec<_>>();
+        DepositColumns {
+            block_hashes: column(|d| &d.block_hash),
+            tx_hashes: column(|d| &d.tx_hash),
+            indexes: deposits
+                .iter()
+                .map(|d| i32::try_from(d.output_index).expect("BUG: output index beyond i32"))
+                .collect(),
+            addresses: column(|d| &d.address),
+            assets: column(|d| &d.asset),
+            amounts: column(|d| &d.amount),
+        }
+    }
+
+    /// The statement's parameters, the chain's name first.
+    fn params<'p>(&'p self, chain: &'p &'p str) -> [&'p (dyn ToSql + Sync); 7] {
+        [chain, &self.block_hashes, &self.tx_hashes, &self.indexes, &self.addresses, &self.assets, &self.amounts]
+    }
 }
