@@ -11,11 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
+use custodian_domain::withdrawal::WithdrawalState;
 use custodian_domain::{Amount, EthAddress};
 use custodian_store::Pool;
 use custodian_testkit::TestDb;
 use custodian_withdrawals::hot_wallet::{self, Lane};
 use custodian_withdrawals::request::{self, Request};
+use custodian_withdrawals::sql;
 use custodian_withdrawals::worker::Pricing;
 use custodian_withdrawals::{EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 
@@ -103,15 +105,7 @@ const PRICING: Pricing = Pricing {
 
 /// Allocates every requested withdrawal of `lane` in batches of `batch`; returns how many.
 async fn drain(worker: Arc<Worker>, pool: Pool, lane: Lane, signer: Arc<dyn Signer>, batch: i64) -> u64 {
-    let client = pool.get().await.unwrap();
-    let ids: Vec<i64> = client
-        .query("select id from withdrawal where lane = $1 and state = 'requested' order by id", &[&lane.lane])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    drop(client);
+    let ids = sql::in_states(&pool.get().await.unwrap(), &lane.lane, &[WithdrawalState::Requested]).await.unwrap();
     let mut signed = 0;
     for chunk in ids.chunks(usize::try_from(batch).unwrap()) {
         let ready: Vec<(i64, u64)> = chunk.iter().map(|id| (*id, 21_000)).collect();

@@ -183,19 +183,12 @@ fn sign_all(signer: &dyn Signer, txs: Vec<TxEip1559>) -> Result<Vec<SignedTx>, S
     if threads == 1 {
         return txs.into_iter().map(|tx| signer.sign(tx)).collect();
     }
-    let chunk = txs.len().div_ceil(threads);
-    let mut chunks: Vec<Vec<TxEip1559>> = Vec::with_capacity(threads);
-    let mut rest = txs.into_iter();
-    for _ in 0..threads {
-        chunks.push(rest.by_ref().take(chunk).collect());
-    }
+    let sign = |chunk: &[TxEip1559]| chunk.iter().map(|tx| signer.sign(tx.clone())).collect::<Result<Vec<_>, _>>();
+    let mut chunks = txs.chunks(txs.len().div_ceil(threads));
+    let first = chunks.next().expect("BUG: no chunk to sign");
     std::thread::scope(|scope| {
-        let mut chunks = chunks.into_iter();
-        let first = chunks.next().expect("BUG: no chunk to sign");
-        let others: Vec<_> = chunks
-            .map(|c| scope.spawn(move || c.into_iter().map(|tx| signer.sign(tx)).collect::<Result<Vec<_>, _>>()))
-            .collect();
-        let mut signed = first.into_iter().map(|tx| signer.sign(tx)).collect::<Result<Vec<_>, _>>()?;
+        let others: Vec<_> = chunks.map(|chunk| scope.spawn(move || sign(chunk))).collect();
+        let mut signed = sign(first)?;
         for other in others {
             signed.extend(other.join().expect("BUG: a signing thread panicked")?);
         }
