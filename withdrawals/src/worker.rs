@@ -235,26 +235,35 @@ select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, re
   from lane left join ready on true
  order by ready.id";
 
-const INSERT_ALLOCATIONS: &str = "
-insert into nonce_allocation (chain, from_address, nonce, withdrawal_id)
-select 'eth', $1, n.nonce, n.id from unnest($2::bigint[], $3::bigint[]) as n(nonce, id)";
-
-const INSERT_ATTEMPTS: &str = "
-insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
-select a.hash, a.id, 'eth', $3, a.nonce, 'original', a.raw, $6, $7
-  from unnest($1::text[], $2::bigint[], $4::bigint[], $5::bytea[]) as a(hash, id, nonce, raw)";
-
-const APPEND_SIGNED: &str = "
-insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
-select e.id, e.seq, 'signed', e.payload from unnest($1::bigint[], $2::int[], $3::jsonb[]) as e(id, seq, payload)";
-
-const PROJECT_SIGNED: &str = "
-update withdrawal w set state = 'signed', from_address = $3, nonce = p.nonce, tx_hash = p.hash, last_seq = p.seq,
-       updated_at = now()
-  from unnest($1::bigint[], $2::int[], $4::bigint[], $5::text[]) as p(id, seq, nonce, hash)
- where w.id = p.id";
-
-const ADVANCE_NONCE: &str = "update hot_wallet set next_nonce = $2 where chain = 'eth' and lane = $1";
+/// Every write of an allocation in one statement, so the batch costs the server one execution
+/// and one reply: the nonces, the signed payloads, the `signed` events, the projection, and the
+/// lane's cursor. $1 lane, $2 from_address, $3 ids, $4 nonces, $5 seqs, $6 hashes, $7 raw
+/// transactions, $8 payloads, $9 max fee, $10 priority fee, $11 the next nonce.
+///
+/// The sub-statements cannot see each other's rows, but the foreign key from
+/// `withdrawal_attempt` to `nonce_allocation` is checked after the whole statement, when they
+/// can. The projection is found through `id = any($3)`, which the generic plan always answers from
+/// the primary key (joined to the unnest alone, a small table would be scanned whole).
+const WRITE_ALLOCATIONS: &str = "
+with signed as (
+    select * from unnest($3::bigint[], $4::bigint[], $5::int[], $6::text[], $7::bytea[], $8::jsonb[])
+        as s(id, nonce, seq, hash, raw, payload)
+), allocated as (
+    insert into nonce_allocation (chain, from_address, nonce, withdrawal_id)
+    select 'eth', $2, nonce, id from signed
+), attempted as (
+    insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
+    select hash, id, 'eth', $2, nonce, 'original', raw, $9, $10 from signed
+), appended as (
+    insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+    select id, seq, 'signed', payload from signed
+), projected as (
+    update withdrawal w set state = 'signed', from_address = $2, nonce = s.nonce, tx_hash = s.hash, last_seq = s.seq,
+           updated_at = now()
+      from signed s
+     where w.id = any($3) and w.id = s.id
+)
+update hot_wallet set next_nonce = $11 where chain = 'eth' and lane = $1";
 
 /// States in which a withdrawal has a nonce but no mined attempt yet.
 const UNMINED: [WithdrawalState; 3] =
@@ -554,13 +563,9 @@ impl Worker {
         let ids: Vec<i64> = ready.iter().map(|(id, _)| *id).collect();
         let client = self.pool.get().await?;
         // Prepared once per connection, so none of these costs a round trip after the first batch.
-        let (lock, allocate, attempt, append, project, advance) = futures::try_join!(
+        let (lock, write) = futures::try_join!(
             client.prepare_cached(LOCK_LANE_AND_WITHDRAWALS),
-            client.prepare_cached(INSERT_ALLOCATIONS),
-            client.prepare_cached(INSERT_ATTEMPTS),
-            client.prepare_cached(APPEND_SIGNED),
-            client.prepare_cached(PROJECT_SIGNED),
-            client.prepare_cached(ADVANCE_NONCE),
+            client.prepare_cached(WRITE_ALLOCATIONS),
         )?;
         // First round trip: BEGIN, then lock the lane's row (every allocation on the lane
         // serialises here) and the withdrawals still requested that no other worker holds.
@@ -632,16 +637,22 @@ impl Worker {
         // Second round trip: every write and COMMIT. The primary key (chain, from_address, nonce)
         // is the last word on double allocation; (withdrawal_id, seq) on the streams, whose rows
         // we hold locked.
-        tx.commit_with(&[
-            (&allocate, &[&lane.address, &batch.nonces, &batch.ids]),
-            (
-                &attempt,
-                &[&batch.hashes, &batch.ids, &lane.address, &batch.nonces, &batch.raws, &max_fee, &priority_fee],
-            ),
-            (&append, &[&batch.ids, &batch.seqs, &batch.payloads]),
-            (&project, &[&batch.ids, &batch.seqs, &lane.address, &batch.nonces, &batch.hashes]),
-            (&advance, &[&lane.lane, &nonce]),
-        ])
+        tx.commit_with(&[(
+            &write,
+            &[
+                &lane.lane,
+                &lane.address,
+                &batch.ids,
+                &batch.nonces,
+                &batch.seqs,
+                &batch.hashes,
+                &batch.raws,
+                &batch.payloads,
+                &max_fee,
+                &priority_fee,
+                &nonce,
+            ],
+        )])
         .await?;
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
         Ok(signed)
