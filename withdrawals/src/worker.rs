@@ -178,8 +178,10 @@ const MAX_SIGNING_THREADS: usize = 4;
 /// [`MAX_SIGNING_THREADS`]) when the batch is large enough to be worth it. The allocating
 /// transaction waits on this with the lane locked, and the database is idle meanwhile.
 fn sign_all(signer: &dyn Signer, txs: Vec<TxEip1559>) -> Result<Vec<SignedTx>, SignerError> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SIGNING_THREADS);
-    let threads = cores.min(txs.len() / (PARALLEL_SIGNING_FROM / 2)).max(1);
+    // Asked once: on Linux the answer reads the cgroup files, tens of microseconds a time.
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = cores.min(MAX_SIGNING_THREADS).min(txs.len() / (PARALLEL_SIGNING_FROM / 2)).max(1);
     if threads == 1 {
         return txs.into_iter().map(|tx| signer.sign(tx)).collect();
     }
