@@ -31,6 +31,9 @@ pub enum SignerError {
     /// Not a 32-byte hex private key.
     #[error("the key is not a 32-byte hex private key")]
     BadKey,
+    /// No randomness to blind the signing context with.
+    #[error("cannot read randomness for the signing context from /dev/urandom: {0}")]
+    Entropy(std::io::Error),
     /// Signing failed.
     #[error("signing failed: {0}")]
     Sign(String),
@@ -67,7 +70,14 @@ impl LocalSigner {
             *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| SignerError::BadKey)?;
         }
         let key = SecretKey::from_slice(&bytes[..]).map_err(|_| SignerError::BadKey)?;
-        let context = Secp256k1::signing_only();
+        let mut context = Secp256k1::signing_only();
+        // Blinds the context's precomputed tables with a fresh secret, as libsecp256k1
+        // recommends, so that signing leaks less through side channels.
+        let mut seed = Zeroizing::new([0u8; 32]);
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut seed[..]))
+            .map_err(SignerError::Entropy)?;
+        context.seeded_randomize(&seed);
         let public = PublicKey::from_secret_key(&context, &key).serialize_uncompressed();
         Ok(LocalSigner { key, address: Address::from_raw_public_key(&public[1..]), context })
     }
