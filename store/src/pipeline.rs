@@ -52,8 +52,8 @@ impl Pipelined {
         Ok((open, rows))
     }
 
-    /// The connection, to prepare or run further statements inside the transaction.
-    pub fn client(&self) -> &Object {
+    /// The connection, while the transaction is open.
+    fn client(&self) -> &Object {
         self.client.as_ref().expect("BUG: a finished pipelined transaction was used")
     }
 

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use custodian_store::Pipelined;
 use custodian_testkit::TestDb;
+use tokio_postgres::Statement;
 
 const LOCK: &str = "select id from account where id = $1 for update";
 const ADD: &str = "insert into account (external_ref) values ($1)";
@@ -21,13 +22,19 @@ async fn seeded() -> TestDb {
     db
 }
 
-#[tokio::test]
-async fn commits_every_statement_and_returns_the_connection_to_the_pool() {
-    let db = seeded().await;
+/// A pipelined transaction on a pooled connection, holding the seeded row; and the insert.
+async fn begin(db: &TestDb) -> (Pipelined, Vec<tokio_postgres::Row>, Statement) {
     let client = db.pool.get().await.expect("pooled");
     let (lock, add) =
         (client.prepare_cached(LOCK).await.expect("prepare"), client.prepare_cached(ADD).await.expect("prepare"));
     let (tx, rows) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    (tx, rows, add)
+}
+
+#[tokio::test]
+async fn commits_every_statement_and_returns_the_connection_to_the_pool() {
+    let db = seeded().await;
+    let (tx, rows, add) = begin(&db).await;
     assert_eq!(rows.len(), 1, "the locked row comes back");
     let affected = tx.commit_with(&[(&add, &[&"a"]), (&add, &[&"b"])]).await.expect("commit");
     assert_eq!(affected, vec![1, 1]);
@@ -42,10 +49,7 @@ async fn commits_every_statement_and_returns_the_connection_to_the_pool() {
 #[tokio::test]
 async fn a_failing_statement_commits_nothing() {
     let db = seeded().await;
-    let client = db.pool.get().await.expect("pooled");
-    let (lock, add) =
-        (client.prepare_cached(LOCK).await.expect("prepare"), client.prepare_cached(ADD).await.expect("prepare"));
-    let (tx, _) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    let (tx, _, add) = begin(&db).await;
     // The second insert repeats the first's unique external_ref.
     let error = tx.commit_with(&[(&add, &[&"a"]), (&add, &[&"a"]), (&add, &[&"c"])]).await.expect_err("refused");
     assert!(custodian_store::is_unique_violation(&error, None), "{error}");
@@ -55,9 +59,7 @@ async fn a_failing_statement_commits_nothing() {
 #[tokio::test]
 async fn dropped_midway_it_closes_the_connection_and_releases_the_lock() {
     let db = seeded().await;
-    let client = db.pool.get().await.expect("pooled");
-    let lock = client.prepare_cached(LOCK).await.expect("prepare");
-    let (tx, _) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+    let (tx, _, _) = begin(&db).await;
     let other = db.client().await;
     let held = other.query("select id from account where id = 1 for update nowait", &[]).await;
     assert!(held.is_err(), "the row is locked while the transaction is open");
