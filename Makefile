@@ -1,9 +1,11 @@
 # Custodian developer/CI entry points. `make test` is what CI runs.
 
-CUSTODIAN_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/custodian
+# The service's least-privileged login, and the schema owner that only `custodian migrate` uses.
+CUSTODIAN_DATABASE_URL ?= postgres://custodian_app@127.0.0.1:5432/custodian
+CUSTODIAN_MIGRATE_DATABASE_URL ?= postgres://custodian_owner@127.0.0.1:5432/custodian
 CUSTODIAN_ANVIL        ?= $(CURDIR)/.tools/bin/anvil
 CUSTODIAN_SOLCJS       ?= $(CURDIR)/.tools/bin/solcjs
-export CUSTODIAN_DATABASE_URL CUSTODIAN_ANVIL CUSTODIAN_SOLCJS
+export CUSTODIAN_DATABASE_URL CUSTODIAN_MIGRATE_DATABASE_URL CUSTODIAN_ANVIL CUSTODIAN_SOLCJS
 
 # Project tools (anvil, solcjs) and rustup's cargo on PATH for every recipe.
 export PATH := $(CURDIR)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)

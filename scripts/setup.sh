@@ -2,8 +2,11 @@
 # Developer/CI bootstrap for Custodian. Idempotent: prints one line per action
 # it takes, and a single "setup: ok" line when there was nothing to do.
 #
-#   - PostgreSQL answering on 127.0.0.1:5432, user postgres without password,
-#     database "custodian"
+#   - PostgreSQL answering on 127.0.0.1:5432; the roles of scripts/roles.sql
+#     (custodian_owner, custodian_app, custodian_service, custodian_reader);
+#     database "custodian" owned by custodian_owner
+#   - local development only: loopback connections of postgres and of the
+#     custodian roles are trusted (no password); nothing else is
 #   - anvil (npm @foundry-rs/anvil-linux-amd64) -> .tools/bin/anvil
 #   - solc-js (npm solc)                      -> .tools/bin/solcjs
 #   - checks that a Rust toolchain (cargo, rustfmt, clippy) is present
@@ -108,30 +111,40 @@ ensure_postgres() {
         done
     fi
 
-    # Tests connect as postgres@127.0.0.1 without a password.
-    if ! pg_sql -c 'select 1' >/dev/null 2>&1; then
-        local hba marker="# custodian: trust loopback for local development"
+    # Development trusts loopback connections of exactly these roles: the set-up and the tests'
+    # superuser checks (postgres), the schema owner, the service's login and finance's reader.
+    # Every other role, and every other address, keeps the cluster's own rules.
+    local trusted="postgres,custodian_owner,custodian_app,custodian_reader"
+    if ! pg_sql -c 'select 1' >/dev/null 2>&1 \
+        || ! psql -X -w -q -h "$PG_HOST" -p "$PG_PORT" -U custodian_app -d postgres -c 'select 1' >/dev/null 2>&1; then
+        local hba marker="# custodian: trust loopback for local development (these roles only)"
         hba="$(as_postgres psql -X -tAc 'show hba_file')" \
             || die "cannot connect as postgres over TCP, nor over the local socket to fix pg_hba.conf"
         if ! as_root grep -qF "$marker" "$hba"; then
-            log "pg_hba.conf: trusting 127.0.0.1/32 and ::1/128 ($hba)"
+            log "pg_hba.conf: trusting $trusted on 127.0.0.1/32 and ::1/128 ($hba)"
             local tmp
             tmp="$(mktemp)"
             {
                 echo "$marker"
-                echo "host    all    all    127.0.0.1/32    trust"
-                echo "host    all    all    ::1/128         trust"
+                echo "host    all    $trusted    127.0.0.1/32    trust"
+                echo "host    all    $trusted    ::1/128         trust"
                 as_root cat "$hba"
             } >"$tmp"
             as_root cp "$tmp" "$hba"   # cp keeps the file's owner and mode
             rm -f "$tmp"
+            log "reloading PostgreSQL configuration"
+            as_postgres psql -X -q -tAc 'select pg_reload_conf()' >/dev/null
+            sleep 1
         fi
-        log "reloading PostgreSQL configuration"
-        as_postgres psql -X -q -tAc 'select pg_reload_conf()' >/dev/null
-        sleep 1
         pg_sql -c 'select 1' >/dev/null \
             || die "still cannot connect as postgres@$PG_HOST:$PG_PORT without a password"
     fi
+
+    # The roles (scripts/roles.sql is idempotent; it only logs when it creates something).
+    if [ "$(pg_sql -c "select count(*) from pg_roles where rolname in ('custodian_owner', 'custodian_app', 'custodian_service', 'custodian_reader')")" != 4 ]; then
+        log "creating the roles custodian_owner, custodian_app, custodian_service, custodian_reader"
+    fi
+    pg_sql -f "$ROOT/scripts/roles.sql" >/dev/null
 
     # Friendly for plain `psql` as root: a superuser role named root.
     if [ "$(id -u)" -eq 0 ] && [ -z "$(pg_sql -c "select 1 from pg_roles where rolname='root'")" ]; then
@@ -139,9 +152,43 @@ ensure_postgres() {
         pg_sql -c 'create role root superuser login' >/dev/null
     fi
 
-    if [ -z "$(pg_sql -c "select 1 from pg_database where datname='$DB_NAME'")" ]; then
-        log "creating database $DB_NAME"
-        pg_sql -c "create database $DB_NAME" >/dev/null
+    local owner
+    owner="$(pg_sql -c "select pg_get_userbyid(datdba) from pg_database where datname='$DB_NAME'")"
+    if [ -z "$owner" ]; then
+        log "creating database $DB_NAME owned by custodian_owner"
+        pg_sql -c "create database $DB_NAME owner custodian_owner" >/dev/null
+    elif [ "$owner" != custodian_owner ]; then
+        # A database made before the roles existed: hand it and everything in its schema to the
+        # owner role, so `custodian migrate` can run as custodian_owner. Nothing is dropped.
+        log "database $DB_NAME is owned by $owner: transferring it and its objects to custodian_owner"
+        pg_sql -c "alter database $DB_NAME owner to custodian_owner" >/dev/null
+        psql -X -w -q -h "$PG_HOST" -p "$PG_PORT" -U postgres -d "$DB_NAME" -v ON_ERROR_STOP=1 -tA >/dev/null <<'SQL'
+do $$
+declare
+    object record;
+begin
+    for object in
+        select case c.relkind when 'S' then 'sequence' when 'v' then 'view' else 'table' end as kind,
+               c.relname as name
+          from pg_class c join pg_namespace n on n.oid = c.relnamespace
+         where n.nspname = 'public' and c.relkind in ('r', 'p', 'v', 'S')
+           and pg_get_userbyid(c.relowner) <> 'custodian_owner'
+           and not (c.relkind = 'S' and exists (select 1 from pg_depend d
+                                                 where d.objid = c.oid and d.deptype in ('a', 'i')))
+    loop
+        execute format('alter %s public.%I owner to custodian_owner', object.kind, object.name);
+    end loop;
+    for object in
+        select p.oid::regprocedure::text as signature
+          from pg_proc p join pg_namespace n on n.oid = p.pronamespace
+         where n.nspname = 'public' and pg_get_userbyid(p.proowner) <> 'custodian_owner'
+           and not exists (select 1 from pg_depend d where d.objid = p.oid and d.deptype = 'e')
+    loop
+        execute format('alter function %s owner to custodian_owner', object.signature);
+    end loop;
+end;
+$$;
+SQL
     fi
 }
 

@@ -19,9 +19,14 @@ pub struct GlobalArgs {
     /// Configuration file (TOML); flags and CUSTODIAN_* variables override it.
     #[arg(long, global = true, env = "CUSTODIAN_CONFIG")]
     pub config: Option<std::path::PathBuf>,
-    /// PostgreSQL URL of the ledger database [default: postgres://postgres@127.0.0.1:5432/custodian].
+    /// PostgreSQL URL of the ledger database, as the service's login
+    /// [default: postgres://custodian_app@127.0.0.1:5432/custodian].
     #[arg(long, global = true, env = "CUSTODIAN_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
+    /// PostgreSQL URL of the schema owner, used by `custodian migrate` only
+    /// [default: postgres://custodian_owner@127.0.0.1:5432/custodian].
+    #[arg(long, global = true, env = "CUSTODIAN_MIGRATE_DATABASE_URL", hide_env_values = true)]
+    pub migrate_database_url: Option<String>,
     /// Ethereum JSON-RPC endpoint.
     #[arg(long = "eth-rpc", global = true, env = "CUSTODIAN_ETH_RPC_URL", hide_env_values = true)]
     pub eth_rpc: Option<String>,

@@ -15,8 +15,10 @@ use crate::exit::invalid;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    /// PostgreSQL URL (may hold a password).
+    /// PostgreSQL URL of the service's login (may hold a password).
     pub database_url: Option<SecretString>,
+    /// PostgreSQL URL of the schema owner, for `custodian migrate` only (may hold a password).
+    pub migrate_database_url: Option<SecretString>,
     /// Ethereum.
     #[serde(default)]
     pub eth: EthConfig,

@@ -14,8 +14,10 @@ use crate::exit::invalid;
 /// What every command needs to know about its surroundings.
 #[derive(Debug)]
 pub struct Settings {
-    /// The ledger database.
+    /// The ledger database, as the service's login (`custodian_app`).
     pub database_url: DatabaseUrl,
+    /// The ledger database as its owner: `custodian migrate` only.
+    pub migrate_database_url: DatabaseUrl,
     /// Ethereum JSON-RPC endpoint, if configured.
     pub eth_rpc: Option<String>,
     /// Bitcoin Core JSON-RPC endpoint, if configured.
@@ -46,6 +48,13 @@ impl Settings {
             .unwrap_or_else(|| custodian_store::DEFAULT_DATABASE_URL.to_owned())
             .parse()
             .map_err(|e| invalid(format!("--database-url / CUSTODIAN_DATABASE_URL: {e}")))?;
+        let migrate_database_url = args
+            .migrate_database_url
+            .clone()
+            .or_else(|| file.migrate_database_url.as_ref().map(|s| s.expose_secret().to_owned()))
+            .unwrap_or_else(|| custodian_store::DEFAULT_MIGRATE_DATABASE_URL.to_owned())
+            .parse()
+            .map_err(|e| invalid(format!("--migrate-database-url / CUSTODIAN_MIGRATE_DATABASE_URL: {e}")))?;
         let btc_network = args
             .btc_network
             .clone()
@@ -74,6 +83,7 @@ impl Settings {
         }
         Ok(Settings {
             database_url,
+            migrate_database_url,
             eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
             btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
             btc_auth,

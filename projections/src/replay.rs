@@ -1,12 +1,12 @@
-//! `replay --verify`: rebuild every projection from the appended facts into a scratch schema,
+//! `replay --verify`: rebuild every projection from the appended facts into scratch tables,
 //! compare it with the live one, and check the global invariants.
 //!
 //! Rebuilt: the withdrawal projection (folded from its event streams), the posting set (what the
 //! deposit and reversal facts say the ledger must contain), and balances (a fold of every posting,
 //! compared with the `account_balance` view). Checked: every transfer has postings and balances per
 //! asset; every posting traces to its source fact; `custody` equals what the facts put there.
-//! Everything runs in one repeatable-read transaction that is rolled back, so the scratch schema
-//! never outlives the run and the database is left exactly as found.
+//! Everything runs in one repeatable-read transaction that is rolled back, so the scratch tables
+//! never outlive the run and the database is left exactly as found.
 
 use std::collections::BTreeMap;
 
@@ -40,49 +40,47 @@ impl VerifyReport {
     }
 }
 
-const SCRATCH: &str = "replay_scratch";
-
-/// The scratch tables are unlogged: they never outlive the transaction, so writing their rows to
-/// the WAL (two million for a million deposits) would be pure cost.
+/// The scratch tables are temporary (`pg_temp`): they never outlive the rolled-back transaction,
+/// are never written to the WAL (two million rows for a million deposits would be pure cost), and
+/// need no privilege beyond the one every role has, so replay runs as the service's login.
 const SETUP: &str = "
-create schema replay_scratch;
-create unlogged table replay_scratch.withdrawal (id bigint primary key, state text not null, last_seq integer not null, lane text,
+create table pg_temp.replay_withdrawal (id bigint primary key, state text not null, last_seq integer not null, lane text,
     from_address text, nonce bigint, tx_hash text, mined_block_hash text);
-create unlogged table replay_scratch.balance (ledger_account text, asset text, net numeric(79,0), primary key (ledger_account, asset));
+create table pg_temp.replay_balance (ledger_account text, asset text, net numeric(79,0), primary key (ledger_account, asset));
 -- The deposit transfers' references as columns, analysed: joining through jsonb directly leaves
 -- the planner guessing a few hundred rows where there are millions, and probing row by row.
-create unlogged table replay_scratch.deposit_transfer as
+create table pg_temp.replay_deposit_transfer as
 select t.id, t.idempotency_key, t.reference ->> 'chain' as chain, t.reference ->> 'tx_hash' as tx_hash,
        (t.reference ->> 'output_index')::int as output_index, t.reference ->> 'block_hash' as block_hash
   from ledger_transfer t where t.kind = 'deposit';
-analyze replay_scratch.deposit_transfer;
+analyze pg_temp.replay_deposit_transfer;
 -- Ownership ranges without indexes: for a whole-table join a hash join is right, but given the
 -- exclusion constraint's GiST index the planner probes it once per deposit, ten times slower.
-create unlogged table replay_scratch.ownership as
+create table pg_temp.replay_ownership as
 select chain, address, account_id, valid_from_height, valid_to_height from wallet_address;
-analyze replay_scratch.ownership;
-create unlogged table replay_scratch.expected_posting as
+analyze pg_temp.replay_ownership;
+create table pg_temp.replay_expected_posting as
 select t.id as transfer_id, t.idempotency_key, side.ledger_account, d.asset, side.direction, d.amount
-  from replay_scratch.deposit_transfer t
+  from pg_temp.replay_deposit_transfer t
   join deposit_event d on d.chain = t.chain and d.tx_hash = t.tx_hash and d.output_index = t.output_index
                       and d.block_hash = t.block_hash
   join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
-  join replay_scratch.ownership w on w.chain = d.chain and w.address = d.address and b.height >= w.valid_from_height
+  join pg_temp.replay_ownership w on w.chain = d.chain and w.address = d.address and b.height >= w.valid_from_height
                                  and (w.valid_to_height is null or b.height < w.valid_to_height)
  cross join lateral (values ('custody', 'debit'), ('user:' || w.account_id, 'credit')) as side (ledger_account, direction)
  where t.idempotency_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.output_index;
-analyze replay_scratch.expected_posting;
-insert into replay_scratch.expected_posting
+analyze pg_temp.replay_expected_posting;
+insert into pg_temp.replay_expected_posting
 select r.compensating_transfer_id, c.idempotency_key, side.ledger_account, e.asset, side.direction, e.amount
   from reversal_decision r
   join reversal_proposal p on p.id = r.proposal_id
   join ledger_transfer c on c.id = r.compensating_transfer_id
-  join replay_scratch.expected_posting e on e.transfer_id = p.transfer_id and e.direction = 'credit'
+  join pg_temp.replay_expected_posting e on e.transfer_id = p.transfer_id and e.direction = 'credit'
  cross join lateral (values (e.ledger_account, 'debit'), ('custody', 'credit')) as side (ledger_account, direction)
  where r.decision = 'approved';
 -- What each withdrawal's events say the ledger must hold: the hold at request; its release when
 -- rejected, cancelled or failed on chain; the settlement when confirmed; the real fee when paid.
-create unlogged table replay_scratch.expected_movement as
+create table pg_temp.replay_expected_movement as
 with req as (
     select withdrawal_id as id, (payload ->> 'account_id')::bigint as account_id, payload ->> 'asset' as asset,
            (payload ->> 'amount')::numeric(78,0) as amount
@@ -101,9 +99,9 @@ select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asse
   from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
 union all
 select 'withdrawal:' || e.id || ':fee', 'network_fees', 'custody', 'ETH', e.fee from ends e where e.fee > 0;
-insert into replay_scratch.expected_posting
+insert into pg_temp.replay_expected_posting
 select t.id, m.key, side.ledger_account, m.asset, side.direction, m.amount
-  from replay_scratch.expected_movement m
+  from pg_temp.replay_expected_movement m
   left join ledger_transfer t on t.idempotency_key = m.key
  cross join lateral (values (m.debit, 'debit'), (m.credit, 'credit')) as side (ledger_account, direction);";
 
@@ -123,7 +121,7 @@ select case when e.idempotency_key is null then 'live posting not derivable from
        coalesce(a.ledger_account, e.ledger_account) as ledger_account, coalesce(a.asset, e.asset) as asset,
        coalesce(a.direction, e.direction) as direction, coalesce(a.amount, e.amount) as amount
   from actual a
-  full join replay_scratch.expected_posting e
+  full join pg_temp.replay_expected_posting e
     on e.transfer_id = a.transfer_id and e.ledger_account = a.ledger_account
    and e.asset = a.asset and e.direction = a.direction and e.amount = a.amount
  where a.idempotency_key is null or e.idempotency_key is null
@@ -142,10 +140,10 @@ select t.id, t.idempotency_key from ledger_transfer t
 const WITHDRAWAL_DIFF: &str = "
 select 'live withdrawal row not rebuilt from its events', w.* from
        (select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash from withdrawal
-        except select * from replay_scratch.withdrawal) w
+        except select * from pg_temp.replay_withdrawal) w
 union all
 select 'withdrawal rebuilt from events missing or different in the live projection', r.* from
-       (select * from replay_scratch.withdrawal
+       (select * from pg_temp.replay_withdrawal
         except select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash from withdrawal) r
 order by 2";
 
@@ -157,7 +155,7 @@ with live as (
     select ledger_account, asset, sum(case direction when 'credit' then amount else -amount end) as net
       from ledger_posting where ledger_account like 'user:%' group by ledger_account, asset
     having sum(case direction when 'credit' then amount else -amount end) <> 0
-), rebuilt as (select ledger_account, asset, net from replay_scratch.balance where ledger_account like 'user:%' and net <> 0)
+), rebuilt as (select ledger_account, asset, net from pg_temp.replay_balance where ledger_account like 'user:%' and net <> 0)
 select 'live balance differs from the fold of postings', l.* from (select * from live except select * from rebuilt) l
 union all
 select 'balance from the fold of postings missing in the live view', r.* from (select * from rebuilt except select * from live) r
@@ -170,7 +168,7 @@ with booked as (
       from ledger_posting where ledger_account = 'custody' group by asset
 ), from_facts as (
     select asset, sum(case direction when 'debit' then amount else -amount end) as net
-      from replay_scratch.expected_posting where ledger_account = 'custody' group by asset
+      from pg_temp.replay_expected_posting where ledger_account = 'custody' group by asset
 )
 select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
   from booked b full join from_facts f using (asset)
@@ -248,7 +246,6 @@ async fn count(tx: &deadpool_postgres::Transaction<'_>, table: &str) -> Result<u
 pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyReport, tokio_postgres::Error> {
     let tx = client.build_transaction().isolation_level(tokio_postgres::IsolationLevel::RepeatableRead).start().await?;
     let mut report = VerifyReport::default();
-    tx.batch_execute(&format!("drop schema if exists {SCRATCH} cascade")).await?;
     tx.batch_execute(SETUP).await?;
 
     // Withdrawals: fold every stream with the domain's fold.
@@ -295,7 +292,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let nonces: Vec<Option<i64>> =
         rebuilt.iter().map(|w| w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"))).collect();
     tx.execute(
-        "insert into replay_scratch.withdrawal
+        "insert into pg_temp.replay_withdrawal
          select * from unnest($1::bigint[], $2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::text[])",
         &[
             &ids,
@@ -349,7 +346,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         nets.push(net);
     }
     tx.execute(
-        "insert into replay_scratch.balance select a, s, n::numeric from unnest($1::text[], $2::text[], $3::text[]) as u(a, s, n)",
+        "insert into pg_temp.replay_balance select a, s, n::numeric from unnest($1::text[], $2::text[], $3::text[]) as u(a, s, n)",
         &[&accounts, &assets, &nets],
     )
     .await?;

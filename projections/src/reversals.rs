@@ -107,6 +107,9 @@ pub async fn get<C: GenericClient>(client: &C, id: i64) -> Result<Option<Proposa
     Ok(client.query_opt(LIST, &[&Some(id)]).await?.as_ref().map(proposal))
 }
 
+/// The first key of the advisory lock deciders of one proposal take ("rv").
+const DECISION_LOCK_CLASS: i32 = 0x7276;
+
 /// Records a decision. Approving posts the compensating transfer in the same transaction.
 /// Repeating the same decision returns the recorded one and writes nothing.
 ///
@@ -124,8 +127,10 @@ pub async fn decide(
         return Err(DecisionError::Anonymous);
     }
     let tx = client.transaction().await?;
-    // The proposal row is never updated; locking it serialises deciders.
-    if tx.query_opt("select 1 from reversal_proposal where id = $1 for update", &[&id]).await?.is_none() {
+    // The proposal row is a fact the service may not update, so it cannot be row-locked either;
+    // a transaction-scoped advisory lock on its id serialises deciders instead.
+    tx.execute("select pg_advisory_xact_lock($1, hashint8($2))", &[&DECISION_LOCK_CLASS, &id]).await?;
+    if tx.query_opt("select 1 from reversal_proposal where id = $1", &[&id]).await?.is_none() {
         return Err(DecisionError::Unknown(id));
     }
     let current = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);

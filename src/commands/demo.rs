@@ -65,18 +65,32 @@ mod story {
     }
 
     async fn fresh_database(settings: &Settings) -> Result<Pool> {
-        let admin = settings.database_url.with_dbname("postgres");
+        // The schema owner creates and migrates the database (it may create databases, nothing
+        // more); the story then runs as the service's login, custodian_app.
+        let owner = settings.migrate_database_url.with_dbname("postgres");
         let (client, connection) =
-            admin.config().connect(tokio_postgres::NoTls).await.context("connecting to PostgreSQL")?;
+            owner.config().connect(tokio_postgres::NoTls).await.context("connecting to PostgreSQL as the owner")?;
         tokio::spawn(connection);
         client.batch_execute("drop database if exists custodian_demo with (force)").await?;
         client.batch_execute("create database custodian_demo").await?;
-        let url = settings.database_url.with_dbname("custodian_demo");
-        let pool = custodian_store::connect(&url, 8).await?;
-        let mut client = pool.get().await?;
+        let (mut client, connection) = settings
+            .migrate_database_url
+            .with_dbname("custodian_demo")
+            .config()
+            .connect(tokio_postgres::NoTls)
+            .await
+            .context("connecting to custodian_demo as the owner")?;
+        let migrating = tokio::spawn(connection);
         migrate::run(&mut client).await?;
         drop(client);
-        say(format!("fresh database custodian_demo at {url}, migrated"));
+        let _ = migrating.await;
+        let url = settings.database_url.with_dbname("custodian_demo");
+        let pool = custodian_store::connect(&url, 8).await?;
+        custodian_store::check_service_role(&pool.get().await?).await?;
+        say(format!(
+            "fresh database custodian_demo at {url}, migrated by its owner; the story runs as {}",
+            custodian_store::roles::APP_ROLE
+        ));
         Ok(pool)
     }
 

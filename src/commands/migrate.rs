@@ -14,7 +14,9 @@ struct Report {
 }
 
 pub async fn run(settings: &Settings) -> Result<Exit> {
-    let pool = super::pool(settings).await?;
+    // The schema owner, never the service's login: only the owner may create and alter tables.
+    let url = &settings.migrate_database_url;
+    let pool = custodian_store::connect(url, 1).await.context("opening the ledger database as its owner")?;
     let mut client = pool.get().await.context("taking a database connection")?;
     let report = migrate::run(&mut client).await.context("migrating the database")?;
     let report = Report { applied: report.applied, schema_version: report.version };

@@ -92,10 +92,21 @@ pub fn print_json(value: &impl serde::Serialize) -> Result<()> {
 }
 
 /// A pool for commands that need the database, with a message naming the URL when it fails.
+/// A role that could undo what the database enforces (a superuser, the schema owner) is refused
+/// with exit 2 before anything runs: only `custodian migrate` uses the owner.
 pub async fn pool(settings: &Settings) -> Result<custodian_store::Pool> {
-    custodian_store::connect(&settings.database_url, custodian_store::pool::DEFAULT_POOL_SIZE)
-        .await
-        .context("opening the ledger database")
+    pool_of(settings, custodian_store::pool::DEFAULT_POOL_SIZE).await
+}
+
+/// [`pool`] with `size` connections at most.
+pub async fn pool_of(settings: &Settings, size: usize) -> Result<custodian_store::Pool> {
+    let pool = custodian_store::connect(&settings.database_url, size).await.context("opening the ledger database")?;
+    let client = pool.get().await.context("taking a database connection")?;
+    custodian_store::check_service_role(&client).await.map_err(|e| match e {
+        refused @ custodian_store::RoleError::TooPowerful { .. } => crate::exit::invalid(refused.to_string()),
+        other => anyhow::Error::new(other),
+    })?;
+    Ok(pool)
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

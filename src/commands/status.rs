@@ -42,6 +42,8 @@ pub async fn run(settings: &Settings) -> Result<Exit> {
             },
             Err(e) => (false, Some(e.to_string()), None),
         },
+        // A role that may not run the service is a refusal, not an unreachable database.
+        Err(e) if crate::exit::classify(&e) == Exit::Usage => return Err(e),
         Err(e) => (false, Some(format!("{e:#}")), None),
     };
     let status = Status {

@@ -10,10 +10,12 @@ pub mod migrate;
 pub mod ownership;
 pub mod pipeline;
 pub mod pool;
+pub mod roles;
 
 pub use events::{append_withdrawal_event, AppendError};
 pub use pipeline::Pipelined;
-pub use pool::{connect, DatabaseUrl, Pool, PoolError, DEFAULT_DATABASE_URL};
+pub use pool::{connect, DatabaseUrl, Pool, PoolError, DEFAULT_DATABASE_URL, DEFAULT_MIGRATE_DATABASE_URL};
+pub use roles::{check_service_role, RoleError};
 
 /// SQLSTATE of a unique or primary-key violation.
 pub const UNIQUE_VIOLATION: &str = "23505";

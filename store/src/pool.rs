@@ -5,8 +5,13 @@ use std::str::FromStr;
 
 pub use deadpool_postgres::Pool;
 
-/// Used when neither `--database-url` nor `CUSTODIAN_DATABASE_URL` is given.
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/custodian";
+/// Used when neither `--database-url` nor `CUSTODIAN_DATABASE_URL` is given: the service's login
+/// on the local server (see [`crate::roles`]).
+pub const DEFAULT_DATABASE_URL: &str = "postgres://custodian_app@127.0.0.1:5432/custodian";
+
+/// What `custodian migrate` connects as when neither `--migrate-database-url` nor
+/// `CUSTODIAN_MIGRATE_DATABASE_URL` is given: the schema owner on the local server.
+pub const DEFAULT_MIGRATE_DATABASE_URL: &str = "postgres://custodian_owner@127.0.0.1:5432/custodian";
 
 /// Connections per process. Each worker holds at most one at a time; the API shares the rest.
 pub const DEFAULT_POOL_SIZE: usize = 16;

@@ -7,6 +7,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, Result};
+use custodian_store::roles::OWNER_ROLE;
 use custodian_store::{migrate, DatabaseUrl, Pool};
 
 /// Prefix of every per-test database; `make clean-test-dbs` drops them by it.
@@ -16,21 +17,48 @@ const TEMPLATE_LOCK_KEY: i64 = 0x7465_6d70_6c61_7465; // "template"
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A migrated database of its own, dropped when the value is dropped.
+///
+/// It is owned by `custodian_owner`, which migrated it; [`TestDb::url`] and [`TestDb::pool`]
+/// connect as `custodian_app`, the service's least-privileged login, so every test of service
+/// code runs with the privileges the service has. [`TestDb::owner_client`] is for what only the
+/// owner may do (a tampering test writing behind the service's back).
 pub struct TestDb {
     /// The database's name.
     pub name: String,
-    /// A URL for it (handed to the binary under test).
+    /// A URL for it as `custodian_app` (handed to the binary under test).
     pub url: DatabaseUrl,
-    /// A pool connected to it.
+    /// A URL for it as the schema owner (for `custodian migrate` and owner-only fixtures).
+    pub owner_url: DatabaseUrl,
+    /// A pool connected to it as `custodian_app`.
     pub pool: Pool,
     admin: DatabaseUrl,
 }
 
-/// The server tests run against: `CUSTODIAN_DATABASE_URL` or the project default.
+/// The roles' SQL, run as a superuser before the first template is built (as `scripts/setup.sh`
+/// runs it on a fresh machine).
+const ROLES_SQL: &str = include_str!("../../scripts/roles.sql");
+
+/// The server tests run against, as the service's login: `CUSTODIAN_DATABASE_URL` or the
+/// project default.
 pub fn server_url() -> DatabaseUrl {
-    let raw =
-        std::env::var("CUSTODIAN_DATABASE_URL").unwrap_or_else(|_| custodian_store::DEFAULT_DATABASE_URL.to_owned());
-    raw.parse().expect("CUSTODIAN_DATABASE_URL is not a valid PostgreSQL URL")
+    from_env("CUSTODIAN_DATABASE_URL", custodian_store::DEFAULT_DATABASE_URL)
+}
+
+/// The same server as the schema owner: `CUSTODIAN_MIGRATE_DATABASE_URL` or the project default.
+pub fn owner_server_url() -> DatabaseUrl {
+    from_env("CUSTODIAN_MIGRATE_DATABASE_URL", custodian_store::DEFAULT_MIGRATE_DATABASE_URL)
+}
+
+/// A superuser on the same server (`CUSTODIAN_TEST_SUPERUSER_URL`, default `postgres` on the
+/// local server): test infrastructure only — it creates the roles and the per-test databases,
+/// and proves that the service refuses to run as it.
+pub fn superuser_url() -> DatabaseUrl {
+    from_env("CUSTODIAN_TEST_SUPERUSER_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+}
+
+fn from_env(variable: &str, default: &str) -> DatabaseUrl {
+    let raw = std::env::var(variable).unwrap_or_else(|_| default.to_owned());
+    raw.parse().unwrap_or_else(|e| panic!("{variable} is not a valid PostgreSQL URL: {e}"))
 }
 
 async fn admin_client(admin: &DatabaseUrl) -> Result<tokio_postgres::Client> {
@@ -43,7 +71,7 @@ async fn admin_client(admin: &DatabaseUrl) -> Result<tokio_postgres::Client> {
     Ok(client)
 }
 
-async fn ensure_template(admin: &tokio_postgres::Client, server: &DatabaseUrl) -> Result<String> {
+async fn ensure_template(admin: &tokio_postgres::Client) -> Result<String> {
     let template = format!("custodian_tpl_{:016x}", migrate::fingerprint());
     admin.execute("select pg_advisory_lock($1)", &[&TEMPLATE_LOCK_KEY]).await?;
     let ready: Option<bool> = admin
@@ -51,11 +79,14 @@ async fn ensure_template(admin: &tokio_postgres::Client, server: &DatabaseUrl) -
         .await?
         .map(|row| row.get(0));
     if ready != Some(true) {
+        admin.batch_execute(ROLES_SQL).await.context("creating the custodian roles")?;
         if ready == Some(false) {
             admin.batch_execute(&format!("drop database \"{template}\" with (force)")).await?;
         }
-        admin.batch_execute(&format!("create database \"{template}\"")).await?;
-        let (mut client, connection) = server.with_dbname(&template).config().connect(tokio_postgres::NoTls).await?;
+        admin.batch_execute(&format!("create database \"{template}\" owner {OWNER_ROLE}")).await?;
+        // Migrated as the owner, exactly as `custodian migrate` does it.
+        let (mut client, connection) =
+            owner_server_url().with_dbname(&template).config().connect(tokio_postgres::NoTls).await?;
         let handle = tokio::spawn(connection);
         migrate::run(&mut client).await.context("migrating the template database")?;
         drop(client);
@@ -73,10 +104,9 @@ impl TestDb {
     }
 
     async fn try_new() -> Result<TestDb> {
-        let server = server_url();
-        let admin = server.with_dbname("postgres");
+        let admin = superuser_url();
         let client = admin_client(&admin).await?;
-        let template = ensure_template(&client, &server).await?;
+        let template = ensure_template(&client).await?;
         let name = format!(
             "{TEST_DB_PREFIX}{}_{}_{}",
             std::process::id(),
@@ -87,7 +117,10 @@ impl TestDb {
         // nobody else is using the source; retry a bounded number of times.
         let mut attempts = 0;
         loop {
-            match client.batch_execute(&format!("create database \"{name}\" template \"{template}\"")).await {
+            match client
+                .batch_execute(&format!("create database \"{name}\" template \"{template}\" owner {OWNER_ROLE}"))
+                .await
+            {
                 Ok(()) => break,
                 Err(e) if attempts < 20 && e.to_string().contains("being accessed by other users") => {
                     attempts += 1;
@@ -96,18 +129,36 @@ impl TestDb {
                 Err(e) => return Err(e).context("cloning the template database"),
             }
         }
-        let url = server.with_dbname(&name);
+        let url = server_url().with_dbname(&name);
+        let owner_url = owner_server_url().with_dbname(&name);
         let pool = custodian_store::connect(&url, 8).await?;
-        Ok(TestDb { name, url, pool, admin })
+        Ok(TestDb { name, url, owner_url, pool, admin })
     }
 
-    /// A single connection outside the pool (for tests that need their own session).
+    /// A single connection as `custodian_app`, outside the pool (for tests that need their own
+    /// session).
     pub async fn client(&self) -> tokio_postgres::Client {
-        let (client, connection) =
-            self.url.config().connect(tokio_postgres::NoTls).await.expect("connecting to the test database");
-        tokio::spawn(connection);
-        client
+        connect(&self.url).await
     }
+
+    /// A single connection as the schema owner: for what the service may not do (a fixture the
+    /// service has no privilege to write, or a tampering test).
+    pub async fn owner_client(&self) -> tokio_postgres::Client {
+        connect(&self.owner_url).await
+    }
+
+    /// A single connection as a superuser: only for forgeries that must get past the triggers
+    /// themselves (`session_replication_role = replica`), to prove what a check finds.
+    pub async fn superuser_client(&self) -> tokio_postgres::Client {
+        connect(&superuser_url().with_dbname(&self.name)).await
+    }
+}
+
+async fn connect(url: &DatabaseUrl) -> tokio_postgres::Client {
+    let (client, connection) =
+        url.config().connect(tokio_postgres::NoTls).await.unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
+    tokio::spawn(connection);
+    client
 }
 
 impl Drop for TestDb {

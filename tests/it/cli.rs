@@ -2,25 +2,27 @@
 
 use custodian_testkit::{Anvil, TestDb};
 
-use crate::harness::custodian;
+use crate::harness::{custodian, custodian_env};
 
 #[tokio::test]
 async fn migrate_then_status_reports_an_up_to_date_schema() {
     let db = TestDb::new().await;
     let empty = format!("{}_fresh", db.name);
-    db.client().await.batch_execute(&format!("create database \"{empty}\"")).await.unwrap();
+    db.owner_client().await.batch_execute(&format!("create database \"{empty}\"")).await.unwrap();
     let url = db.url.with_dbname(&empty);
+    let owner = db.owner_url.with_dbname(&empty);
+    let both = [("CUSTODIAN_DATABASE_URL", url.expose()), ("CUSTODIAN_MIGRATE_DATABASE_URL", owner.expose())];
 
     let before = custodian(url.expose(), &["status", "--json"]);
     assert_eq!(before.code, 0, "{}", before.stderr);
     assert_eq!(before.json()["database"]["schema_version"], serde_json::Value::Null);
     assert_eq!(before.json()["database"]["up_to_date"], false);
 
-    let first = custodian(url.expose(), &["migrate", "--json"]);
+    let first = custodian_env(&both, &["migrate", "--json"]);
     assert_eq!(first.code, 0, "{}", first.stderr);
     let latest = custodian_store::migrate::latest_version();
     assert_eq!(first.json()["applied"].as_array().map(Vec::len), Some(usize::try_from(latest).unwrap()));
-    let second = custodian(url.expose(), &["migrate", "--json"]);
+    let second = custodian_env(&both, &["migrate", "--json"]);
     assert_eq!(second.code, 0, "{}", second.stderr);
     assert_eq!(second.json()["applied"], serde_json::json!([]), "re-running is a no-op");
     assert_eq!(second.json()["schema_version"], latest);
@@ -38,7 +40,7 @@ async fn migrate_then_status_reports_an_up_to_date_schema() {
 
     let text = custodian(url.expose(), &["status"]);
     assert!(text.stdout.contains("up to date"), "{}", text.stdout);
-    db.client().await.batch_execute(&format!("drop database \"{empty}\" with (force)")).await.unwrap();
+    db.superuser_client().await.batch_execute(&format!("drop database \"{empty}\" with (force)")).await.unwrap();
 }
 
 #[test]
@@ -46,7 +48,10 @@ fn an_unreachable_database_is_an_operational_error() {
     let run = custodian("postgres://postgres@127.0.0.1:1/custodian", &["status", "--json"]);
     assert_eq!(run.code, 1);
     assert_eq!(run.json()["database"]["reachable"], false);
-    let run = custodian("postgres://postgres@127.0.0.1:1/custodian", &["migrate"]);
+    let run = custodian_env(
+        &[("CUSTODIAN_MIGRATE_DATABASE_URL", "postgres://custodian_owner@127.0.0.1:1/custodian")],
+        &["migrate"],
+    );
     assert_eq!(run.code, 1);
     assert!(run.stderr.contains("could not connect to PostgreSQL"), "{}", run.stderr);
 }
@@ -67,4 +72,23 @@ async fn the_anvil_launcher_answers_eth_chain_id() {
     assert_eq!(chain_id, "0x7a69", "anvil's default chain id is 31337");
     let second = Anvil::spawn().await.expect("a second anvil on another port");
     assert_ne!(anvil.port, second.port);
+}
+
+#[tokio::test]
+async fn service_commands_refuse_a_superuser_or_the_schema_owner_with_exit_2() {
+    let db = TestDb::new().await;
+    let superuser = custodian_testkit::db::superuser_url().with_dbname(&db.name);
+    for url in [superuser.expose(), db.owner_url.expose()] {
+        for args in [&["balances"][..], &["status", "--json"], &["replay", "--verify"]] {
+            let run = custodian(url, args);
+            assert_eq!(run.code, 2, "{args:?} as {url}: {}{}", run.stdout, run.stderr);
+            assert!(
+                run.stderr.contains("refusing to run as the database role") && run.stderr.contains("custodian_app"),
+                "the refusal names the role to use: {}",
+                run.stderr
+            );
+        }
+    }
+    let run = custodian(db.url.expose(), &["balances"]);
+    assert_eq!(run.code, 0, "custodian_app runs: {}", run.stderr);
 }

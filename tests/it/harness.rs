@@ -19,14 +19,18 @@ impl Run {
 
 /// Runs `custodian args…` against `database_url`, with no other CUSTODIAN_* settings inherited.
 pub fn custodian(database_url: &str, args: &[&str]) -> Run {
+    custodian_env(&[("CUSTODIAN_DATABASE_URL", database_url)], args)
+}
+
+/// Runs `custodian args…` with exactly the CUSTODIAN_* variables in `env`.
+pub fn custodian_env(env: &[(&str, &str)], args: &[&str]) -> Run {
     let mut command = Command::new(env!("CARGO_BIN_EXE_custodian"));
     for (key, _) in std::env::vars() {
         if key.starts_with("CUSTODIAN_") {
             command.env_remove(key);
         }
     }
-    let output =
-        command.env("CUSTODIAN_DATABASE_URL", database_url).args(args).output().expect("running the custodian binary");
+    let output = command.envs(env.iter().copied()).args(args).output().expect("running the custodian binary");
     Run {
         code: output.status.code().expect("the binary exited normally"),
         stdout: String::from_utf8_lossy(&output.stdout).into_owned(),

@@ -191,7 +191,7 @@ async fn a_row_without_its_source_fact_makes_replay_verify_exit_3_and_name_it() 
     let clean = custodian(url, &["replay", "--verify"]);
     assert_eq!(clean.code, 0, "{}{}", clean.stdout, clean.stderr);
 
-    let client = db.client().await;
+    let client = db.superuser_client().await;
     client
         .batch_execute(
             "insert into withdrawal (id, external_id, chain, asset, destination, amount, state, last_seq)
@@ -294,7 +294,7 @@ async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
 
     // As a superuser, past the triggers that refuse both: a third leg on the deposit's transfer,
     // and a transfer with no postings at all.
-    let client = db.client().await;
+    let client = db.superuser_client().await;
     let deposit: i64 =
         client.query_one("select id from ledger_transfer where kind = 'deposit'", &[]).await.unwrap().get(0);
     client

@@ -122,12 +122,16 @@ async fn reparse_reproduces_deleted_events_from_raw_blocks_without_the_node() {
     // A scratch copy where the events were lost (as a superuser, bypassing the append-only guard).
     let scratch = format!("{}_scratch", db.name);
     db.pool.close();
-    let server = custodian_testkit::db::server_url();
-    let (root, connection) = server.with_dbname("postgres").config().connect(tokio_postgres::NoTls).await.unwrap();
+    let root_url = custodian_testkit::db::superuser_url();
+    let (root, connection) = root_url.config().connect(tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
-    root.batch_execute(&format!("create database \"{scratch}\" template \"{}\"", db.name)).await.unwrap();
-    let pool = custodian_store::connect(&server.with_dbname(&scratch), 2).await.unwrap();
-    let client = pool.get().await.unwrap();
+    root.batch_execute(&format!("create database \"{scratch}\" template \"{}\" owner custodian_owner", db.name))
+        .await
+        .unwrap();
+    // reparse runs as the service's login; the loss is forged as a superuser
+    let pool = custodian_store::connect(&custodian_testkit::db::server_url().with_dbname(&scratch), 2).await.unwrap();
+    let (client, connection) = root_url.with_dbname(&scratch).config().connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
     client
         .batch_execute(
             "set session_replication_role = replica; delete from deposit_event; set session_replication_role = origin;",

@@ -1,5 +1,6 @@
-//! Every append-only table rejects UPDATE, DELETE and TRUNCATE; the two permitted one-time
-//! updates work exactly once; raw blocks may be pruned.
+//! Every append-only table rejects UPDATE, DELETE and TRUNCATE even for the schema owner (the
+//! triggers; the service role meets a missing privilege first, see `privileges`); the permitted
+//! one-time updates work exactly once; raw blocks may be pruned.
 
 use custodian_testkit::TestDb;
 
@@ -22,7 +23,7 @@ const APPEND_ONLY: &[(&str, &str)] = &[
 #[tokio::test]
 async fn append_only_tables_reject_update_delete_and_truncate() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    let client = db.owner_client().await;
     seed_one_of_everything(&client).await;
     for (table, change) in APPEND_ONLY {
         let count: i64 = client.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0);
@@ -41,7 +42,7 @@ async fn append_only_tables_reject_update_delete_and_truncate() {
 #[tokio::test]
 async fn a_block_can_be_orphan_marked_once_and_only_once() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    let client = db.owner_client().await;
     seed_one_of_everything(&client).await;
     let block = eth_hash('b');
     let marked = client
@@ -72,7 +73,7 @@ async fn a_block_can_be_orphan_marked_once_and_only_once() {
 #[tokio::test]
 async fn an_orphan_mark_together_with_another_change_is_refused() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    let client = db.owner_client().await;
     seed_one_of_everything(&client).await;
     let message =
         refused(&client, &format!("update chain_block set orphaned_at = now(), parent_hash = '{}'", eth_hash('e')))
@@ -83,7 +84,7 @@ async fn an_orphan_mark_together_with_another_change_is_refused() {
 #[tokio::test]
 async fn an_ownership_range_can_be_closed_once() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    let client = db.owner_client().await;
     seed_one_of_everything(&client).await;
     assert_eq!(client.execute("update wallet_address set valid_to_height = 50", &[]).await.unwrap(), 1);
     let message = refused(&client, "update wallet_address set valid_to_height = 60").await;
@@ -93,7 +94,7 @@ async fn an_ownership_range_can_be_closed_once() {
 #[tokio::test]
 async fn raw_blocks_may_be_pruned_but_never_changed() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    let client = db.owner_client().await;
     seed_one_of_everything(&client).await;
     let message = refused(&client, "update raw_block set payload = '\\x01'").await;
     assert!(message.starts_with("append-only table raw_block: UPDATE rejected"), "{message}");

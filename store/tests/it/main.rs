@@ -6,6 +6,7 @@ mod deposit_addresses;
 mod events;
 mod ledger;
 mod pipeline;
+mod privileges;
 mod schema;
 
 use tokio_postgres::Client;

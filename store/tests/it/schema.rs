@@ -31,7 +31,7 @@ async fn schema_signature(client: &tokio_postgres::Client) -> String {
 #[tokio::test]
 async fn migrating_twice_leaves_the_same_schema() {
     let db = TestDb::new().await;
-    let mut client = db.client().await;
+    let mut client = db.owner_client().await;
     let before = schema_signature(&client).await;
     assert!(before.contains("trigger ledger_posting ledger_posting_balanced"), "the template is migrated");
     let report = migrate::run(&mut client).await.expect("re-running migrations");
@@ -43,10 +43,11 @@ async fn migrating_twice_leaves_the_same_schema() {
 #[tokio::test]
 async fn migrating_an_empty_database_applies_every_file_once() {
     let db = TestDb::new().await;
-    let admin = db.client().await;
+    // The owner may create databases (and only that beyond its own schema).
+    let admin = db.owner_client().await;
     let scratch = format!("{}_empty", db.name);
     admin.batch_execute(&format!("create database \"{scratch}\"")).await.unwrap();
-    let url = db.url.with_dbname(&scratch);
+    let url = db.owner_url.with_dbname(&scratch);
     let (mut client, connection) = url.config().connect(tokio_postgres::NoTls).await.unwrap();
     let handle = tokio::spawn(connection);
     assert_eq!(migrate::current_version(&client).await.unwrap(), None);
@@ -64,7 +65,10 @@ async fn migrating_an_empty_database_applies_every_file_once() {
 #[tokio::test]
 async fn the_reader_role_reads_views_and_nothing_else() {
     let db = TestDb::new().await;
-    let client = db.client().await;
+    // Only a superuser (test infrastructure) may become the reader role.
+    let url = custodian_testkit::db::superuser_url().with_dbname(&db.name);
+    let (client, connection) = url.config().connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
     client.batch_execute("set role custodian_reader").await.unwrap();
     for view in ["account_balance", "deposit_status", "withdrawal_status", "ledger_entries"] {
         client.query(&format!("select * from {view} limit 1"), &[]).await.unwrap_or_else(|e| panic!("{view}: {e}"));
