@@ -659,3 +659,45 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
     assert!(conflict.stderr.contains("different amount"), "{}", conflict.stderr);
     assert_eq!(h.available(alice).await, (ETHER * 3 / 4).to_string());
 }
+
+#[tokio::test]
+async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_its_lane() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "pay-1", &destination(41), ETHER / 10).await.unwrap().withdrawal;
+    let mallory = destination(66).to_lowercase();
+    // Written as the schema owner, who first has to switch the table's guard off: the service
+    // role cannot do even that.
+    h.db.owner_client()
+        .await
+        .batch_execute(&format!(
+            "alter table withdrawal disable trigger withdrawal_request_immutable;
+             update withdrawal set destination = '{mallory}' where id = {id};
+             alter table withdrawal enable trigger withdrawal_request_immutable;",
+            id = w.id
+        ))
+        .await
+        .unwrap();
+    let report = h.worker(config(1)).pass().await.unwrap();
+    assert_eq!(report.signed, 0, "nothing is signed");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0);
+    assert_eq!(h.state(w.id).await, WithdrawalState::NeedsReview);
+    let reason: String = h
+        .db
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
+            &[&w.id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(reason.contains(&mallory) && reason.contains(&w.destination), "both values are recorded: {reason}");
+    let lane = w.lane.clone();
+    let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    assert!(paused.iter().any(|l| l.lane == lane && l.pause_reason.is_some()), "the lane paused: {paused:?}");
+    assert_eq!(h.balance(&mallory).await, U256::ZERO, "mallory was never paid");
+}

@@ -223,8 +223,9 @@ struct SignedBatch {
 }
 
 /// The lane's cursor (locked) and, in nonce order, the ready withdrawals still requested that no
-/// other worker holds (locked, skipping locked ones). The lane row comes back even when no
-/// withdrawal does (its withdrawal columns null).
+/// other worker holds (locked, skipping locked ones), each with its `requested` event: what is
+/// signed comes from the event, and the projection row must agree with it. The lane row comes
+/// back even when no withdrawal does (its withdrawal columns null).
 const LOCK_LANE_AND_WITHDRAWALS: &str = "
 with lane as (
     select next_nonce, paused_at is not null as paused from hot_wallet where chain = 'eth' and lane = $1 for update
@@ -233,8 +234,10 @@ with lane as (
      where id = any($2) and state = 'requested' and lane = $1
      order by id for update skip locked
 )
-select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq
+select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq,
+       requested.payload
   from lane left join ready on true
+  left join withdrawal_event requested on requested.withdrawal_id = ready.id and requested.seq = 1
  order by ready.id";
 
 /// Every write of an allocation in one statement, so the batch costs the server one execution
@@ -266,6 +269,21 @@ with signed as (
      where w.id = any($3) and w.id = s.id
 )
 update hot_wallet set next_nonce = $11 where chain = 'eth' and lane = $1";
+
+/// What a withdrawal pays, as the allocator compares it between the event and the projection.
+#[derive(Debug, PartialEq, Eq)]
+struct PaidAs {
+    account_id: i64,
+    asset: String,
+    destination: String,
+    amount: Amount,
+}
+
+impl std::fmt::Display for PaidAs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} units of {} from account {} to {}", self.amount, self.asset, self.account_id, self.destination)
+    }
+}
 
 /// States in which a withdrawal has a nonce but no mined attempt yet.
 const UNMINED: [WithdrawalState; 3] =
@@ -583,15 +601,34 @@ impl Worker {
         }
         let mut batch = SignedBatch::default();
         let mut unsigned = Vec::new();
+        let mut tampered = Vec::new();
         let mut nonce = next_nonce;
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
-            let w = Withdrawal {
-                id: row.get(2),
+            let id: i64 = row.get(2);
+            let projected = PaidAs {
                 account_id: row.get(3),
-                external_id: String::new(),
                 asset: row.get(4),
                 destination: row.get(5),
                 amount: Amount::from_units(row.get::<_, U256>(6)),
+            };
+            let payload: Option<serde_json::Value> = row.get(8);
+            let requested = payload.map(|p| sql::event_from_row("requested", &p));
+            let Some(WithdrawalEvent::Requested { account_id, asset, destination, amount, .. }) = requested else {
+                panic!("BUG: withdrawal {id} has a projection row but no requested event")
+            };
+            let fact = PaidAs { account_id, asset, destination, amount };
+            if fact != projected {
+                tampered.push((id, fact, projected));
+                continue;
+            }
+            // Signed from the fact, which the projection matched.
+            let w = Withdrawal {
+                id,
+                account_id: fact.account_id,
+                external_id: String::new(),
+                asset: fact.asset,
+                destination: fact.destination,
+                amount: fact.amount,
                 state: WithdrawalState::Requested,
                 lane: lane.lane.clone(),
                 from_address: None,
@@ -618,6 +655,12 @@ impl Worker {
             batch.nonces.push(nonce);
             batch.seqs.push(w.last_seq + 1);
             nonce += 1;
+        }
+        if !tampered.is_empty() {
+            // Sign nothing: someone changed what a withdrawal pays behind the event stream.
+            tx.rollback().await?;
+            self.review_tampered(lane, tampered).await?;
+            return Ok(0);
         }
         for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
             let hash = hex(signed_tx.hash);
@@ -658,6 +701,25 @@ impl Worker {
         .await?;
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
         Ok(signed)
+    }
+
+    /// Each withdrawal whose projection disagrees with its `requested` event goes to
+    /// `needs_review` with both versions, and the lane pauses: nothing more leaves it until a
+    /// person has looked.
+    async fn review_tampered(&self, lane: &Lane, tampered: Vec<(i64, PaidAs, PaidAs)>) -> Result<(), WorkError> {
+        for (id, fact, projected) in tampered {
+            let reason = format!(
+                "the withdrawal row does not match its requested event: the event pays {fact}, the row says {projected}; \
+                 nothing was signed"
+            );
+            tracing::error!(withdrawal = id, lane = %lane.lane, %reason, "ALERT: withdrawal projection tampered with");
+            metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
+            self.record(id, |w| w.state == WithdrawalState::Requested, WithdrawalEvent::NeedsReview { reason }, &[])
+                .await?;
+        }
+        sql::pause_lane(&self.pool.get().await?, &lane.lane, "a withdrawal row did not match its requested event")
+            .await?;
+        Ok(())
     }
 
     /// Signs a sibling of the latest attempt: same nonce, fees raised at least 12.5%. `cancel`
