@@ -87,6 +87,7 @@ async fn setup(lanes: usize, withdrawals: u64) -> Setup {
             asset: "ETH".into(),
             destination: EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap(),
             amount: Amount::from_u64(1_000 + n),
+            requested_by: "bench".into(),
         };
         request::request(&mut pooled, &r).await.unwrap();
     }

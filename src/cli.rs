@@ -48,6 +48,11 @@ pub struct GlobalArgs {
     /// Blocks of history a reorg may reach and raw payloads are kept for.
     #[arg(long = "retention-blocks", global = true, env = "CUSTODIAN_RETENTION_BLOCKS")]
     pub retention_blocks: Option<u64>,
+    /// The operator's API token: every command that records a decision or a change (withdraw,
+    /// cancel, approve, limits, policy, lanes, tokens, reversals) is made on its authority and
+    /// checked exactly as the gRPC API checks it.
+    #[arg(long, global = true, env = "CUSTODIAN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -164,9 +169,6 @@ pub enum Command {
         /// Withdrawal id.
         #[arg(long)]
         id: i64,
-        /// Who cancels.
-        #[arg(long, default_value = "operator")]
-        by: String,
     },
     /// Run the withdrawal worker: approve-check, allocate, broadcast, bump, settle.
     Work {
@@ -277,23 +279,27 @@ pub enum HotWalletCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum WithdrawalsCommand {
-    /// Approve a withdrawal above the approval limit.
+    /// Approve a withdrawal waiting for approval, as the token's principal (never its requester).
     Approve {
         /// Withdrawal id.
         #[arg(long)]
         id: i64,
-        /// Who approves.
-        #[arg(long)]
-        by: String,
     },
-    /// Set the per-asset approval limit (whole units; "none" removes it).
+    /// Set an asset's limits: above --amount a withdrawal needs --approvals distinct approvers;
+    /// past --daily (a rolling 24-hour total per account) it waits for approval too.
     Limit {
         /// Asset symbol or key.
         #[arg(long)]
         asset: String,
-        /// Amount in whole units, or "none".
+        /// Approval limit in whole units, or "none".
         #[arg(long)]
-        amount: String,
+        amount: Option<String>,
+        /// Distinct approvers a withdrawal above the limit needs (1 to 16).
+        #[arg(long)]
+        approvals: Option<u32>,
+        /// Rolling 24-hour total per account in whole units, or "none".
+        #[arg(long)]
+        daily: Option<String>,
     },
 }
 
@@ -306,18 +312,12 @@ pub enum ReversalsCommand {
         /// Proposal id.
         #[arg(long)]
         id: i64,
-        /// Who approves.
-        #[arg(long)]
-        by: String,
     },
     /// Reject a proposal: nothing is debited.
     Reject {
         /// Proposal id.
         #[arg(long)]
         id: i64,
-        /// Who rejects.
-        #[arg(long)]
-        by: String,
         /// Why.
         #[arg(long)]
         reason: String,
@@ -360,7 +360,7 @@ pub enum TokenCommand {
         /// A name for the token (who uses it).
         #[arg(long)]
         name: String,
-        /// Comma-separated scopes: read, withdraw, admin.
+        /// Comma-separated scopes: read, withdraw, approve, admin.
         #[arg(long)]
         scope: String,
     },

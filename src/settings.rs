@@ -28,6 +28,8 @@ pub struct Settings {
     pub btc_network: BtcNetwork,
     /// Reorg window and raw-payload retention, in blocks.
     pub retention_blocks: u64,
+    /// The operator's API token, if given.
+    pub token: Option<secrecy::SecretString>,
     /// Print JSON.
     pub json: bool,
     /// The configuration file's other sections (worker, API, metrics, keys).
@@ -89,6 +91,7 @@ impl Settings {
             btc_auth,
             btc_network,
             retention_blocks,
+            token: args.token.clone().map(secrecy::SecretString::from),
             json: args.json,
             file,
         })

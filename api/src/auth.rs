@@ -66,14 +66,7 @@ impl Authenticator {
                 wait.as_millis().max(1)
             )));
         }
-        if !token.scopes.contains(&scope) {
-            let held: Vec<&str> = token.scopes.iter().map(|s| s.as_str()).collect();
-            return Err(Status::permission_denied(format!(
-                "{call} needs the {scope} scope; the API token {:?} has {}",
-                token.name,
-                held.join(", ")
-            )));
-        }
+        token.check_scope(scope, call).map_err(|refusal| Status::permission_denied(refusal.to_string()))?;
         tracing::debug!(token = %token.name, call, "authorised");
         Ok(Caller { name: token.name })
     }

@@ -69,7 +69,8 @@ pub(crate) fn action(error: ActionError) -> Status {
     match error {
         unknown @ ActionError::Unknown(_) => Status::not_found(unknown.to_string()),
         state @ ActionError::WrongState { .. } => Status::failed_precondition(state.to_string()),
-        ActionError::Anonymous => Status::invalid_argument("approved_by must name the person approving the withdrawal"),
+        ActionError::Anonymous => Status::unauthenticated("a decision needs an authenticated principal"),
+        own @ ActionError::SelfApproval { .. } => Status::permission_denied(own.to_string()),
         // The withdrawals crate keeps only the message: retrying is the safe answer, and the
         // action is idempotent.
         ActionError::Database(message) => {

@@ -32,19 +32,22 @@ pub enum Scope {
     Read,
     /// The client's writes: accounts, deposit addresses, withdrawal requests and cancels.
     Withdraw,
-    /// Approvals and the hot-wallet lanes.
+    /// Decisions: approving withdrawals and deciding reversals. `admin` alone does not.
+    Approve,
+    /// Configuration: lanes, limits, confirmation policy, assets and API tokens.
     Admin,
 }
 
 impl Scope {
     /// Every scope, in a stable order.
-    pub const ALL: [Scope; 3] = [Scope::Read, Scope::Withdraw, Scope::Admin];
+    pub const ALL: [Scope; 4] = [Scope::Read, Scope::Withdraw, Scope::Approve, Scope::Admin];
 
     /// The stored name.
     pub fn as_str(self) -> &'static str {
         match self {
             Scope::Read => "read",
             Scope::Withdraw => "withdraw",
+            Scope::Approve => "approve",
             Scope::Admin => "admin",
         }
     }
@@ -56,9 +59,9 @@ impl fmt::Display for Scope {
     }
 }
 
-/// A scope name that is not `read`, `withdraw` or `admin`.
+/// A scope name that is not `read`, `withdraw`, `approve` or `admin`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown scope {0:?}: expected read, withdraw or admin")]
+#[error("unknown scope {0:?}: expected read, withdraw, approve or admin")]
 pub struct UnknownScope(pub String);
 
 impl FromStr for Scope {
@@ -79,7 +82,7 @@ pub enum TokenError {
     #[error("token name {0:?} must be 1 to {MAX_NAME_LEN} characters of letters, digits, '-', '_', '.', '@' or ':'")]
     InvalidName(String),
     /// A token needs at least one scope.
-    #[error("a token needs at least one scope (read, withdraw, admin)")]
+    #[error("a token needs at least one scope (read, withdraw, approve, admin)")]
     NoScopes,
     /// Another token, active or revoked, has this name. Names are never reused, so the history
     /// of who held which access stays unambiguous.
@@ -121,12 +124,30 @@ pub(crate) enum Presented {
     Unknown,
 }
 
+/// The token and its `token_created` operator action, in one statement.
 const INSERT_TOKEN: &str = "
-insert into api_token (name, token_hash, scopes) values ($1, $2, $3)
-on conflict (name) do nothing
-returning id";
+with created as (
+    insert into api_token (name, token_hash, scopes) values ($1, $2, $3)
+    on conflict (name) do nothing
+    returning id
+)
+insert into operator_action (action, principal, details)
+select 'token_created', $4, jsonb_build_object('name', $1::text, 'token_id', id, 'scopes', to_jsonb($3::text[]))
+  from created
+returning 1";
 
-const REVOKE_TOKEN: &str = "update api_token set revoked_at = now() where name = $1 and revoked_at is null";
+/// The revocation and its `token_revoked` operator action, in one statement.
+const REVOKE_TOKEN: &str = "
+with revoked as (
+    update api_token set revoked_at = now() where name = $1 and revoked_at is null returning id
+)
+insert into operator_action (action, principal, details)
+select 'token_revoked', $2, jsonb_build_object('name', $1::text, 'token_id', id)
+  from revoked
+returning 1";
+
+/// Whether any active token may administer (a first token can be created without one).
+const ANY_ADMIN: &str = "select exists (select 1 from api_token where revoked_at is null and 'admin' = any(scopes))";
 
 const TOKEN_EXISTS: &str = "select 1 from api_token where name = $1";
 
@@ -191,9 +212,14 @@ fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     difference == 0
 }
 
-/// Creates a token named `name` with `scopes` and returns it. This is the only time the token is
-/// known: only its hash is stored.
-pub async fn create<C: GenericClient>(client: &C, name: &str, scopes: &[Scope]) -> Result<String, TokenError> {
+/// Creates a token named `name` with `scopes` on `by`'s authority (recorded as an operator
+/// action) and returns it. This is the only time the token is known: only its hash is stored.
+pub async fn create<C: GenericClient>(
+    client: &C,
+    name: &str,
+    scopes: &[Scope],
+    by: &str,
+) -> Result<String, TokenError> {
     if !valid_name(name) {
         return Err(TokenError::InvalidName(name.to_owned()));
     }
@@ -207,21 +233,84 @@ pub async fn create<C: GenericClient>(client: &C, name: &str, scopes: &[Scope]) 
     let bytes = random_bytes()?;
     let token_hash = hash(&bytes).to_vec();
     // The unique name is the guard against two tokens with one name; a second create meets it.
-    let inserted = client.query_opt(INSERT_TOKEN, &[&name, &token_hash, &stored_scopes]).await?;
+    let inserted = client.query_opt(INSERT_TOKEN, &[&name, &token_hash, &stored_scopes, &by]).await?;
     if inserted.is_none() {
         return Err(TokenError::NameTaken(name.to_owned()));
     }
     Ok(encode(&bytes))
 }
 
-/// Revokes the token named `name`: true if revoked now, false if it was revoked before.
-pub async fn revoke<C: GenericClient>(client: &C, name: &str) -> Result<bool, TokenError> {
-    if client.execute(REVOKE_TOKEN, &[&name]).await? == 1 {
+/// Revokes the token named `name` on `by`'s authority (recorded as an operator action): true if
+/// revoked now, false if it was revoked before.
+pub async fn revoke<C: GenericClient>(client: &C, name: &str, by: &str) -> Result<bool, TokenError> {
+    if client.query_opt(REVOKE_TOKEN, &[&name, &by]).await?.is_some() {
         return Ok(true);
     }
     match client.query_opt(TOKEN_EXISTS, &[&name]).await? {
         Some(_) => Ok(false),
         None => Err(TokenError::UnknownName(name.to_owned())),
+    }
+}
+
+/// Whether no active token holds the `admin` scope: then, and only then, the first one may be
+/// created without presenting a token (the principal is recorded as [`BOOTSTRAP_PRINCIPAL`]).
+pub async fn needs_bootstrap<C: GenericClient>(client: &C) -> Result<bool, tokio_postgres::Error> {
+    Ok(!client.query_one(ANY_ADMIN, &[]).await?.get::<_, bool>(0))
+}
+
+/// Who created the first admin token: the operator at the database, before any token existed.
+pub const BOOTSTRAP_PRINCIPAL: &str = "bootstrap";
+
+/// Why a presented token does not authorise a call.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// Not the shape of a token.
+    #[error("the token is malformed: expected {TOKEN_PREFIX:?} followed by 64 lowercase hex digits")]
+    Malformed,
+    /// No token has this hash.
+    #[error("the token is not a known API token")]
+    Unknown,
+    /// Revoked.
+    #[error("the API token {0:?} has been revoked")]
+    Revoked(String),
+    /// The token lacks the scope.
+    #[error("{call} needs the {scope} scope; the API token {name:?} has {held}")]
+    MissingScope {
+        /// What was attempted.
+        call: String,
+        /// The scope needed.
+        scope: Scope,
+        /// The token's name.
+        name: String,
+        /// Its scopes, comma-separated.
+        held: String,
+    },
+    /// The database failed.
+    #[error("database error while checking the token: {0}")]
+    Database(#[from] tokio_postgres::Error),
+}
+
+/// Checks `token` exactly as the API does (known, not revoked, holding `scope`) and returns the
+/// principal it stands for: the token's name. The CLI calls this for every decision it records.
+pub async fn principal<C: GenericClient>(client: &C, token: &str, scope: Scope, call: &str) -> Result<String, Refusal> {
+    let token = match authenticate(client, token).await? {
+        None => return Err(Refusal::Malformed),
+        Some(Presented::Unknown) => return Err(Refusal::Unknown),
+        Some(Presented::Revoked { name }) => return Err(Refusal::Revoked(name)),
+        Some(Presented::Active(token)) => token,
+    };
+    token.check_scope(scope, call)?;
+    Ok(token.name)
+}
+
+impl StoredToken {
+    /// Refuses a call needing `scope` when the token does not hold it.
+    pub(crate) fn check_scope(&self, scope: Scope, call: &str) -> Result<(), Refusal> {
+        if self.scopes.contains(&scope) {
+            return Ok(());
+        }
+        let held: Vec<&str> = self.scopes.iter().map(|s| s.as_str()).collect();
+        Err(Refusal::MissingScope { call: call.to_owned(), scope, name: self.name.clone(), held: held.join(", ") })
     }
 }
 

@@ -27,11 +27,22 @@ pub enum WithdrawalEvent {
         amount: Amount,
         /// The lane (hot wallet) chosen by hashing the withdrawal id.
         lane: String,
+        /// The authenticated principal (API token name) who asked; never one of its approvers.
+        /// Empty only in streams recorded before principals existed.
+        #[serde(default)]
+        requested_by: String,
     },
-    /// Above the asset's approval limit: waits for a named person.
+    /// Above the asset's approval limit, or past the account's daily total: waits for
+    /// `approvals` distinct principals other than the requester.
     AwaitingApproval {
         /// The limit it exceeded, smallest units.
         limit: Amount,
+        /// How many distinct approvers it needs.
+        #[serde(default = "one")]
+        approvals: u32,
+        /// Which limit: `approval_limit` (the amount) or `daily_limit` (the rolling 24-hour total).
+        #[serde(default)]
+        reason: String,
     },
     /// Approved by a person.
     Approved {
@@ -117,6 +128,10 @@ pub enum WithdrawalEvent {
         /// What was found.
         reason: String,
     },
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl WithdrawalEvent {
@@ -269,12 +284,20 @@ pub struct Withdrawal {
     pub state_before_cancel: Option<WithdrawalState>,
     /// Chain head when the latest attempt was signed (bumps count blocks from here).
     pub attempt_at_block: Option<u64>,
+    /// The principal who requested it (empty for streams older than principals).
+    pub requested_by: String,
+    /// Distinct approvers it needs while awaiting approval.
+    pub approvals_required: u32,
+    /// Distinct principals who approved it, in order.
+    pub approvers: Vec<String>,
 }
 
 impl Withdrawal {
     /// Starts a stream from its first event, which must be `requested`.
     pub fn start(id: i64, first: &WithdrawalEvent) -> Option<Withdrawal> {
-        let WithdrawalEvent::Requested { account_id, external_id, asset, destination, amount, lane } = first else {
+        let WithdrawalEvent::Requested { account_id, external_id, asset, destination, amount, lane, requested_by } =
+            first
+        else {
             return None;
         };
         Some(Withdrawal {
@@ -293,6 +316,9 @@ impl Withdrawal {
             last_seq: 1,
             state_before_cancel: None,
             attempt_at_block: None,
+            requested_by: requested_by.clone(),
+            approvals_required: 0,
+            approvers: Vec::new(),
         })
     }
 
@@ -303,8 +329,21 @@ impl Withdrawal {
         self.last_seq += 1;
         match event {
             E::Requested { .. } => panic!("BUG: withdrawal {} requested twice", self.id),
-            E::AwaitingApproval { .. } => self.state = S::AwaitingApproval,
-            E::Approved { .. } => self.state = S::Requested,
+            E::AwaitingApproval { approvals, .. } => {
+                self.approvals_required = *approvals;
+                self.state = S::AwaitingApproval;
+            }
+            E::Approved { by } => {
+                // Four eyes: the requester's own approval, or a second one by the same
+                // principal, never counts (the action refuses both; the fold agrees).
+                if *by != self.requested_by && !self.approvers.contains(by) {
+                    self.approvers.push(by.clone());
+                }
+                let enough = self.approvers.len() >= usize::try_from(self.approvals_required).unwrap_or(usize::MAX);
+                if self.state == S::AwaitingApproval && enough {
+                    self.state = S::Requested;
+                }
+            }
             E::Rejected { .. } => self.state = S::Rejected,
             E::Signed { from_address, nonce, tx_hash, at_block } => {
                 self.attempt_at_block = Some(*at_block);
@@ -375,7 +414,12 @@ mod tests {
             destination: "0x01".into(),
             amount: Amount::from_u64(5),
             lane: "a".into(),
+            requested_by: "client".into(),
         }
+    }
+
+    fn awaiting(approvals: u32) -> WithdrawalEvent {
+        WithdrawalEvent::AwaitingApproval { limit: Amount::ZERO, approvals, reason: "approval_limit".into() }
     }
 
     #[test]
@@ -398,9 +442,21 @@ mod tests {
         let mined = E::Mined { tx_hash: "0x02".into(), block_hash: "0xb1".into(), block_number: 5 };
         let cases: Vec<(Vec<WithdrawalEvent>, S, Option<&str>)> = vec![
             (vec![requested()], S::Requested, None),
-            (vec![requested(), E::AwaitingApproval { limit: Amount::from_u64(1) }], S::AwaitingApproval, None),
+            (vec![requested(), awaiting(1)], S::AwaitingApproval, None),
+            (vec![requested(), awaiting(1), E::Approved { by: "x".into() }], S::Requested, None),
+            (vec![requested(), awaiting(2), E::Approved { by: "x".into() }], S::AwaitingApproval, None),
             (
-                vec![requested(), E::AwaitingApproval { limit: Amount::ZERO }, E::Approved { by: "x".into() }],
+                vec![requested(), awaiting(2), E::Approved { by: "x".into() }, E::Approved { by: "x".into() }],
+                S::AwaitingApproval,
+                None,
+            ),
+            (
+                vec![requested(), awaiting(2), E::Approved { by: "client".into() }, E::Approved { by: "x".into() }],
+                S::AwaitingApproval,
+                None,
+            ),
+            (
+                vec![requested(), awaiting(2), E::Approved { by: "x".into() }, E::Approved { by: "y".into() }],
                 S::Requested,
                 None,
             ),
@@ -445,6 +501,12 @@ mod tests {
             assert_eq!(folded.last_seq as usize, events.len());
         }
         assert!(Withdrawal::fold(9, &[E::Approved { by: "x".into() }]).is_none());
+        // A stream recorded before approvals were counted still reads (one approver).
+        let old = WithdrawalEvent::from_stored("awaiting_approval", &serde_json::json!({"limit": "1"})).unwrap();
+        assert_eq!(
+            old,
+            WithdrawalEvent::AwaitingApproval { limit: Amount::from_u64(1), approvals: 1, reason: String::new() }
+        );
         assert!(S::Broadcast.holds_funds() && !S::Confirmed.holds_funds());
     }
 }

@@ -33,17 +33,24 @@ pub async fn set_tier<C: GenericClient>(
     asset: &str,
     min_amount: Amount,
     confirmations: u32,
+    by: &str,
 ) -> Result<(), tokio_postgres::Error> {
     let confirmations = i32::try_from(confirmations).expect("BUG: confirmations validated by the caller");
-    client
-        .execute(
-            "insert into confirmation_policy (chain, asset, min_amount, confirmations) values ($1, $2, $3, $4)
-             on conflict (chain, asset, min_amount) do update set confirmations = excluded.confirmations",
-            &[&chain.as_str(), &asset, &min_amount.units(), &confirmations],
-        )
-        .await?;
+    client.execute(SET_TIER, &[&chain.as_str(), &asset, &min_amount.units(), &confirmations, &by]).await?;
     Ok(())
 }
+
+/// The tier and its `policy_set` operator action, in one statement.
+const SET_TIER: &str = "
+with tier as (
+    insert into confirmation_policy (chain, asset, min_amount, confirmations) values ($1, $2, $3, $4)
+    on conflict (chain, asset, min_amount) do update set confirmations = excluded.confirmations
+    returning chain, asset, min_amount, confirmations
+)
+insert into operator_action (action, principal, details)
+select 'policy_set', $5, jsonb_build_object('chain', chain, 'asset', asset, 'min_amount', min_amount::text,
+                                            'confirmations', confirmations)
+  from tier";
 
 /// Every tier, by chain, asset and amount.
 pub async fn tiers<C: GenericClient>(client: &C) -> Result<Vec<Tier>, tokio_postgres::Error> {

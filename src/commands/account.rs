@@ -1,7 +1,9 @@
 //! `custodian account create`, `address assign`, `token add`.
 
 use anyhow::{Context, Result};
+use custodian_api::tokens::{self, Scope};
 use custodian_domain::{BtcAddress, Chain, EthAddress};
+use custodian_store::operator::{self, Action};
 use custodian_store::ownership::{self, OwnershipError};
 use serde_json::json;
 
@@ -97,8 +99,16 @@ pub async fn add_token(settings: &Settings, chain: Chain, contract: &str, symbol
         )));
     }
     let pool = super::pool(settings).await?;
-    let client = pool.get().await.context("taking a database connection")?;
-    let (asset, created) = ownership::add_token(&client, &contract, symbol, decimals).await.map_err(classify)?;
+    let mut client = pool.get().await.context("taking a database connection")?;
+    let by = super::principal(settings, &client, Scope::Admin, "token add").await?;
+    let tx = client.transaction().await?;
+    let (asset, created) = ownership::add_token(&tx, &contract, symbol, decimals).await.map_err(classify)?;
+    if created {
+        let details =
+            json!({ "asset": asset, "chain": "eth", "contract": contract, "symbol": symbol, "decimals": decimals });
+        operator::record(&tx, Action::AssetRegistered, &by, &details).await?;
+    }
+    tx.commit().await?;
     if settings.json {
         super::print_json(&json!({ "asset": asset, "symbol": symbol, "decimals": decimals, "created": created }))?;
     } else if created {
@@ -116,11 +126,21 @@ pub async fn token_create(settings: &Settings, name: &str, scopes: &str) -> Resu
     }
     let scopes = scopes
         .split(',')
-        .map(|s| s.trim().parse::<custodian_api::tokens::Scope>().map_err(|e| invalid(format!("--scope: {e}"))))
+        .map(|s| s.trim().parse::<Scope>().map_err(|e| invalid(format!("--scope: {e}"))))
         .collect::<Result<Vec<_>>>()?;
     let pool = super::pool(settings).await?;
-    let token =
-        custodian_api::tokens::create(&pool.get().await?, name, &scopes).await.map_err(|e| invalid(e.to_string()))?;
+    let client = pool.get().await?;
+    // The first admin token is made by the operator at the database; every later one by a
+    // principal holding `admin`.
+    let by = if settings.token.is_none() && tokens::needs_bootstrap(&client).await? {
+        if !scopes.contains(&Scope::Admin) {
+            return Err(invalid("no admin token exists yet: the first token must have the admin scope"));
+        }
+        tokens::BOOTSTRAP_PRINCIPAL.to_owned()
+    } else {
+        super::principal(settings, &client, Scope::Admin, "token create").await?
+    };
+    let token = tokens::create(&client, name, &scopes, &by).await.map_err(|e| invalid(e.to_string()))?;
     if settings.json {
         super::print_json(&json!({ "name": name, "token": token }))?;
     } else {
@@ -132,7 +152,9 @@ pub async fn token_create(settings: &Settings, name: &str, scopes: &str) -> Resu
 
 pub async fn token_revoke(settings: &Settings, name: &str) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let revoked = custodian_api::tokens::revoke(&pool.get().await?, name).await.map_err(|e| invalid(e.to_string()))?;
+    let client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "token revoke").await?;
+    let revoked = tokens::revoke(&client, name, &by).await.map_err(|e| invalid(e.to_string()))?;
     if !revoked {
         return Err(invalid(format!("no active token named {name:?}")));
     }

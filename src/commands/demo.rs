@@ -21,6 +21,7 @@ mod story {
     use anyhow::{bail, Context, Result};
     use bitcoin::bip32::{DerivationPath, Xpriv, Xpub};
     use bitcoin::secp256k1::Secp256k1;
+    use custodian_api::tokens::{self, Scope};
     use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
     use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
     use custodian_domain::{Amount, BtcNetwork, Chain, EthAddress};
@@ -31,6 +32,7 @@ mod story {
     use custodian_store::{deposit_addresses, migrate, ownership, Pool};
     use custodian_testkit::btcsim::BitcoinSim;
     use custodian_testkit::Anvil;
+    use custodian_withdrawals::limits::{self, LimitChange};
     use custodian_withdrawals::request::{self, Request, RequestError};
     use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
     use serde_json::{json, Value};
@@ -160,6 +162,7 @@ mod story {
         external_id: &str,
         to: &str,
         ether: &str,
+        requested_by: &str,
     ) -> Result<request::Requested, RequestError> {
         let (destination, amount) = request::parse(to, ether, 18)?;
         let r = Request {
@@ -168,6 +171,7 @@ mod story {
             asset: "ETH".into(),
             destination,
             amount,
+            requested_by: requested_by.to_owned(),
         };
         request::request(&mut pool.get().await.map_err(|e| RequestError::Invalid(e.to_string()))?, &r).await
     }
@@ -179,9 +183,25 @@ mod story {
         say(format!("anvil (a real Ethereum node) at {}", anvil.url));
         let pool = fresh_database(settings).await?;
         let client = pool.get().await?;
-        policy::set_tier(&client, Chain::Eth, "ETH", Amount::ZERO, 2).await?;
-        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("1", 18)?, 3).await?;
-        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("100", 18)?, 3).await?;
+        say("operators and clients are API tokens; every decision is recorded with the token that made it:");
+        let ops_token = tokens::create(&client, "ops", &[Scope::Admin], tokens::BOOTSTRAP_PRINCIPAL).await?;
+        let mut principal = HashMap::new();
+        principal.insert("ops", tokens::principal(&client, &ops_token, Scope::Admin, "demo").await?);
+        for (name, scopes) in [
+            ("wallet-app", &[Scope::Withdraw, Scope::Approve][..]),
+            ("dana", &[Scope::Approve][..]),
+            ("erin", &[Scope::Approve][..]),
+        ] {
+            let token = tokens::create(&client, name, scopes, &principal["ops"]).await?;
+            let scope = scopes[scopes.len() - 1];
+            principal.insert(name, tokens::principal(&client, &token, scope, "demo").await?);
+            let names: Vec<&str> = scopes.iter().map(|s| s.as_str()).collect();
+            say(format!("  token {name:<10} scopes {}", names.join(",")));
+        }
+        let ops = principal["ops"].as_str();
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::ZERO, 2, ops).await?;
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("1", 18)?, 3, ops).await?;
+        policy::set_tier(&client, Chain::Eth, "ETH", Amount::parse_decimal("100", 18)?, 3, ops).await?;
         say("confirmation policy for the demo: 2 confirmations below 1 ETH, 3 from 1 ETH (real defaults: 12/32/64)");
 
         chapter("Three customers and their deposit addresses");
@@ -244,32 +264,56 @@ mod story {
         for (lane, key) in HOT_KEYS {
             let signer = LocalSigner::from_hex(key)?;
             let (registered, _) =
-                hot_wallet::add(&mut pool.get().await?, &node, lane, &format!("{:#x}", signer.address())).await?;
+                hot_wallet::add(&mut pool.get().await?, &node, lane, &format!("{:#x}", signer.address()), ops).await?;
             say(format!("  hot wallet {} is {lane}, next nonce {}", registered.address, registered.next_nonce));
             signers.insert(lane.to_owned(), Arc::new(signer));
         }
-        client.execute("update asset set approval_limit = $1 where asset = 'ETH'", &[&U256::from(3 * ETHER)]).await?;
-        say("  approval limit: withdrawals above 3 ETH wait for a named person");
+        let four_eyes = LimitChange {
+            approval_limit: Some(Some(U256::from(3 * ETHER))),
+            approvals_required: Some(2),
+            daily_limit: None,
+        };
+        limits::set(&mut pool.get().await?, "ETH", &four_eyes, ops).await?;
+        say("  approval limit (set by ops): withdrawals above 3 ETH wait for two approvers, neither the requester");
+        let app = principal["wallet-app"].as_str();
         let outside = EthAddress::parse("0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed")?.to_checksummed();
-        let first = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25").await?;
+        let first = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25", app).await?;
         say(format!(
             "  alice asks for 1.25 ETH (external id alice-0001): withdrawal {} {}",
             first.withdrawal.id,
             first.withdrawal.state.as_str()
         ));
-        let retried = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25").await?;
+        let retried = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25", app).await?;
         say(format!(
             "  her client retries the same request: withdrawal {} again (created now: {})",
             retried.withdrawal.id, retried.created
         ));
-        match withdraw(&pool, id("bob"), "bob-0001", &outside, "10").await {
+        match withdraw(&pool, id("bob"), "bob-0001", &outside, "10", app).await {
             Err(e) => say(format!("  bob asks for 10 ETH: refused, nothing written: {e}")),
             Ok(_) => bail!("bob's withdrawal should have been refused"),
         }
-        let big = withdraw(&pool, id("alice"), "alice-0002", &outside, "3.5").await?;
-        say(format!("  alice asks for 3.5 ETH: withdrawal {} {}", big.withdrawal.id, big.withdrawal.state.as_str()));
-        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, "dana.treasury").await?;
-        say(format!("  dana.treasury approves it: {}", approved.state.as_str()));
+        let big = withdraw(&pool, id("alice"), "alice-0002", &outside, "3.5", app).await?;
+        say(format!(
+            "  alice asks for 3.5 ETH through {app}: withdrawal {} {}",
+            big.withdrawal.id,
+            big.withdrawal.state.as_str()
+        ));
+        match actions::approve(&mut pool.get().await?, big.withdrawal.id, app).await {
+            Err(refusal @ actions::ActionError::SelfApproval { .. }) => {
+                say(format!("  {app} (which holds the approve scope) tries to approve it: refused: {refusal}"))
+            }
+            other => bail!("a self-approval must be refused, got {other:?}"),
+        }
+        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["dana"]).await?;
+        say(format!("  dana approves it: still {} (one of two)", approved.state.as_str()));
+        let (again, recorded) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["dana"]).await?;
+        say(format!("  dana approves again: counts once (recorded: {recorded}), still {}", again.state.as_str()));
+        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["erin"]).await?;
+        say(format!(
+            "  erin approves it: {} (approved by {})",
+            approved.state.as_str(),
+            approved.approvers.join(" and ")
+        ));
         table(&pool, &accounts).await?;
 
         let worker =
@@ -296,8 +340,11 @@ mod story {
                         WithdrawalEvent::Requested { amount, .. } => {
                             format!("{} ETH, hold posted", amount.to_decimal_string(18))
                         }
-                        WithdrawalEvent::AwaitingApproval { limit } => {
-                            format!("above the {} ETH approval limit", limit.to_decimal_string(18))
+                        WithdrawalEvent::AwaitingApproval { limit, approvals, .. } => {
+                            format!(
+                                "above the {} ETH approval limit: {approvals} approvers",
+                                limit.to_decimal_string(18)
+                            )
                         }
                         WithdrawalEvent::Approved { by } => format!("approved by {by}"),
                         other => other.event_type().to_owned(),

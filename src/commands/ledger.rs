@@ -22,11 +22,12 @@ pub async fn policy_set(
     }
     let pool = super::pool(settings).await?;
     let client = pool.get().await?;
+    let by = super::principal(settings, &client, custodian_api::tokens::Scope::Admin, "policy set").await?;
     let (asset, decimals) = ownership::find_asset(&client, chain, asset)
         .await?
         .ok_or_else(|| invalid(format!("unknown asset {asset:?} on {chain}")))?;
     let min = Amount::parse_decimal(min_amount, decimals).map_err(|e| invalid(format!("--min-amount: {e}")))?;
-    policy::set_tier(&client, chain, &asset, min, confirmations).await.context("setting the tier")?;
+    policy::set_tier(&client, chain, &asset, min, confirmations, &by).await.context("setting the tier")?;
     if settings.json {
         super::print_json(
             &json!({ "chain": chain, "asset": asset, "min_amount": min, "confirmations": confirmations }),
@@ -88,9 +89,12 @@ pub async fn reversals_list(settings: &Settings) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-pub async fn decide(settings: &Settings, id: i64, approve: bool, by: &str, reason: Option<&str>) -> Result<Exit> {
+pub async fn decide(settings: &Settings, id: i64, approve: bool, reason: Option<&str>) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
+    let call = if approve { "reversals approve" } else { "reversals reject" };
+    let by = super::principal(settings, &client, custodian_api::tokens::Scope::Approve, call).await?;
+    let by = by.as_str();
     let (proposal, recorded) = match reversals::decide(&mut client, id, approve, by, reason).await {
         Ok(outcome) => outcome,
         Err(DecisionError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the decision")),

@@ -43,11 +43,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Policy(PolicyCommand::Show) => ledger::policy_show(&settings).await,
         Command::Post => ledger::post(&settings).await,
         Command::Reversals(ReversalsCommand::List) => ledger::reversals_list(&settings).await,
-        Command::Reversals(ReversalsCommand::Approve { id, by }) => {
-            ledger::decide(&settings, id, true, &by, None).await
-        }
-        Command::Reversals(ReversalsCommand::Reject { id, by, reason }) => {
-            ledger::decide(&settings, id, false, &by, Some(&reason)).await
+        Command::Reversals(ReversalsCommand::Approve { id }) => ledger::decide(&settings, id, true, None).await,
+        Command::Reversals(ReversalsCommand::Reject { id, reason }) => {
+            ledger::decide(&settings, id, false, Some(&reason)).await
         }
         Command::Balances { account } => ledger::balances(&settings, account.as_deref()).await,
         Command::Replay { verify } => audit::replay(&settings, verify).await,
@@ -63,14 +61,14 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Withdraw { account, asset, to, amount, external_id } => {
             withdraw::request(&settings, &account, &asset, &to, &amount, &external_id).await
         }
-        Command::Withdrawals { action: Some(WithdrawalsCommand::Approve { id, by }), .. } => {
-            withdraw::approve(&settings, id, &by).await
+        Command::Withdrawals { action: Some(WithdrawalsCommand::Approve { id }), .. } => {
+            withdraw::approve(&settings, id).await
         }
-        Command::Withdrawals { action: Some(WithdrawalsCommand::Limit { asset, amount }), .. } => {
-            withdraw::limit(&settings, &asset, &amount).await
-        }
+        Command::Withdrawals {
+            action: Some(WithdrawalsCommand::Limit { asset, amount, approvals, daily }), ..
+        } => withdraw::limit(&settings, &asset, amount.as_deref(), approvals, daily.as_deref()).await,
         Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
-        Command::Cancel { id, by } => withdraw::cancel(&settings, id, &by).await,
+        Command::Cancel { id } => withdraw::cancel(&settings, id).await,
         Command::Work { once, worker } => {
             let interval = std::time::Duration::from_millis(worker.interval_ms);
             withdraw::work(&settings, once, &worker.key_files, withdraw::worker_config(&settings, &worker), interval)
@@ -107,6 +105,28 @@ pub async fn pool_of(settings: &Settings, size: usize) -> Result<custodian_store
         other => anyhow::Error::new(other),
     })?;
     Ok(pool)
+}
+
+/// The principal a command acts as: the operator's token (`--token` / `CUSTODIAN_TOKEN`),
+/// checked exactly as the gRPC API checks it, holding `scope` for `call`.
+pub async fn principal<C: deadpool_postgres::GenericClient>(
+    settings: &Settings,
+    client: &C,
+    scope: custodian_api::tokens::Scope,
+    call: &str,
+) -> Result<String> {
+    use custodian_api::tokens::{self, Refusal};
+    let Some(token) = &settings.token else {
+        return Err(crate::exit::invalid(format!(
+            "{call} is recorded with its author: give the operator's API token with --token or CUSTODIAN_TOKEN \
+             (one with the {scope} scope; `custodian token create --name NAME --scope {scope}`)"
+        )));
+    };
+    match tokens::principal(client, secrecy::ExposeSecret::expose_secret(token), scope, call).await {
+        Ok(name) => Ok(name),
+        Err(Refusal::Database(e)) => Err(anyhow::Error::new(e).context("checking the operator's token")),
+        Err(refusal) => Err(crate::exit::invalid(refusal.to_string())),
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

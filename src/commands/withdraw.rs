@@ -6,10 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use custodian_api::tokens::Scope;
 use custodian_domain::{Amount, Chain};
 use custodian_store::ownership;
 use custodian_withdrawals::actions::{self, ActionError};
 use custodian_withdrawals::hot_wallet::{self, HotWalletError};
+use custodian_withdrawals::limits::{self, LimitChange, LimitError};
 use custodian_withdrawals::request::{self, Request, RequestError};
 use custodian_withdrawals::{sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::json;
@@ -40,6 +42,13 @@ fn action_error(e: ActionError) -> anyhow::Error {
     }
 }
 
+fn limit_error(e: LimitError) -> anyhow::Error {
+    match e {
+        LimitError::Database(e) => anyhow::Error::new(e).context("setting the limits"),
+        refusal => invalid(refusal.to_string()),
+    }
+}
+
 pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, lane: Option<&str>) -> Result<Exit> {
     if chain != Chain::Eth {
         return Err(invalid("hot wallets are ETH lanes; BTC withdrawals are not supported"));
@@ -50,6 +59,7 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
     let node = node(settings)?;
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "hot-wallet add").await?;
     let lane = match lane {
         Some(lane) if !lane.is_empty() && lane.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => {
             lane.to_owned()
@@ -57,7 +67,8 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
         Some(lane) => return Err(invalid(format!("lane name {lane:?} must be letters, digits, - or _"))),
         None => format!("lane{}", hot_wallet::lanes(&client).await?.len() + 1),
     };
-    let (registered, created) = hot_wallet::add(&mut client, &node, &lane, &address).await.map_err(hot_wallet_error)?;
+    let (registered, created) =
+        hot_wallet::add(&mut client, &node, &lane, &address, &by).await.map_err(hot_wallet_error)?;
     if settings.json {
         super::print_json(&json!({ "lane": registered, "created": created }))?;
     } else {
@@ -74,7 +85,10 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
 
 pub async fn pause(settings: &Settings, lane: &str, reason: Option<&str>) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    hot_wallet::set_paused(&pool.get().await?, lane, reason).await.map_err(hot_wallet_error)?;
+    let mut client = pool.get().await?;
+    let call = if reason.is_some() { "hot-wallet pause" } else { "hot-wallet resume" };
+    let by = super::principal(settings, &client, Scope::Admin, call).await?;
+    hot_wallet::set_paused(&mut client, lane, reason, &by).await.map_err(hot_wallet_error)?;
     if settings.json {
         super::print_json(&json!({ "lane": lane, "paused": reason.is_some(), "reason": reason }))?;
     } else {
@@ -121,10 +135,18 @@ pub async fn request(
     }
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
+    let requested_by = super::principal(settings, &client, Scope::Withdraw, "withdraw").await?;
     let account = ownership::find_account(&client, account).await.map_err(|e| invalid(e.to_string()))?;
     let (asset, decimals) = resolve_asset(&client, asset).await?;
     let (destination, amount) = request::parse(to, amount, decimals).map_err(|e| invalid(e.to_string()))?;
-    let r = Request { account_id: account.id, external_id: external_id.to_owned(), asset, destination, amount };
+    let r = Request {
+        account_id: account.id,
+        external_id: external_id.to_owned(),
+        asset,
+        destination,
+        amount,
+        requested_by,
+    };
     let outcome = match request::request(&mut client, &r).await {
         Ok(outcome) => outcome,
         Err(RequestError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the withdrawal")),
@@ -148,41 +170,80 @@ pub async fn request(
     Ok(Exit::Success)
 }
 
-pub async fn approve(settings: &Settings, id: i64, by: &str) -> Result<Exit> {
+pub async fn approve(settings: &Settings, id: i64) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let (w, recorded) = actions::approve(&mut pool.get().await?, id, by).await.map_err(action_error)?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Approve, "withdrawals approve").await?;
+    let (w, recorded) = actions::approve(&mut client, id, &by).await.map_err(action_error)?;
     if settings.json {
         super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
     } else {
-        println!("withdrawal {id} {} by {by}", if recorded { "approved" } else { "was already approved" });
+        let waiting = usize::try_from(w.approvals_required).unwrap_or(usize::MAX).saturating_sub(w.approvers.len());
+        let outcome = match (recorded, w.state) {
+            (false, _) => format!("was already approved by {by}; nothing changed"),
+            (true, custodian_domain::withdrawal::WithdrawalState::AwaitingApproval) => {
+                format!("approved by {by}; waiting for {waiting} more approver(s)")
+            }
+            (true, _) => format!("approved by {by}; it proceeds ({})", w.approvers.join(", ")),
+        };
+        println!("withdrawal {id} {outcome}");
     }
     Ok(Exit::Success)
 }
 
-pub async fn limit(settings: &Settings, asset: &str, amount: &str) -> Result<Exit> {
+/// `Some("none")` removes a limit, another value sets it, `None` leaves it.
+fn limit_value(value: Option<&str>, decimals: u8, flag: &str) -> Result<Option<Option<alloy_primitives::U256>>> {
+    match value.map(str::trim) {
+        None => Ok(None),
+        Some("none") => Ok(Some(None)),
+        Some(amount) => Ok(Some(Some(
+            Amount::parse_decimal(amount, decimals).map_err(|e| invalid(format!("{flag}: {e}")))?.units(),
+        ))),
+    }
+}
+
+pub async fn limit(
+    settings: &Settings,
+    asset: &str,
+    amount: Option<&str>,
+    approvals: Option<u32>,
+    daily: Option<&str>,
+) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let client = pool.get().await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "withdrawals limit").await?;
     let (asset, decimals) = resolve_asset(&client, asset).await?;
-    let limit = if amount == "none" {
-        None
-    } else {
-        Some(Amount::parse_decimal(amount, decimals).map_err(|e| invalid(format!("--amount: {e}")))?.units())
+    let change = LimitChange {
+        approval_limit: limit_value(amount, decimals, "--amount")?,
+        approvals_required: approvals,
+        daily_limit: limit_value(daily, decimals, "--daily")?,
     };
-    client.execute("update asset set approval_limit = $2 where asset = $1", &[&asset, &limit]).await?;
+    let limits = limits::set(&mut client, &asset, &change, &by).await.map_err(limit_error)?;
+    let show = |v: Option<alloy_primitives::U256>| v.map(|v| Amount::from_units(v).to_decimal_string(decimals));
     if settings.json {
-        super::print_json(&json!({ "asset": asset, "approval_limit": limit.map(|l| l.to_string()) }))?;
+        super::print_json(&json!({
+            "asset": asset,
+            "approval_limit": show(limits.approval_limit),
+            "approvals_required": limits.approvals_required,
+            "daily_limit": show(limits.daily_limit),
+            "set_by": by,
+        }))?;
     } else {
         println!(
-            "{asset}: approval limit {}",
-            limit.map_or("none".to_owned(), |l| Amount::from_units(l).to_decimal_string(decimals))
+            "{asset}: above {} a withdrawal needs {} approver(s); daily limit per account {} (set by {by})",
+            show(limits.approval_limit).unwrap_or_else(|| "no limit".to_owned()),
+            limits.approvals_required,
+            show(limits.daily_limit).unwrap_or_else(|| "none".to_owned()),
         );
     }
     Ok(Exit::Success)
 }
 
-pub async fn cancel(settings: &Settings, id: i64, by: &str) -> Result<Exit> {
+pub async fn cancel(settings: &Settings, id: i64) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let (w, recorded) = actions::cancel(&mut pool.get().await?, id, by).await.map_err(action_error)?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Withdraw, "cancel").await?;
+    let (w, recorded) = actions::cancel(&mut client, id, &by).await.map_err(action_error)?;
     if settings.json {
         super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
     } else {

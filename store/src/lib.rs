@@ -7,6 +7,7 @@
 pub mod deposit_addresses;
 pub mod events;
 pub mod migrate;
+pub mod operator;
 pub mod ownership;
 pub mod pipeline;
 pub mod pool;

@@ -69,10 +69,12 @@ async fn an_operator_assigns_an_address_scans_and_lists_the_deposit() {
 async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
     let db = TestDb::new().await;
     let url = db.url.expose();
+    let operator = crate::harness::operator(&db).await;
     assert_eq!(custodian(url, &["account", "create", "--ref", "bob"]).code, 0);
     assert_eq!(
-        custodian(
+        crate::harness::custodian_as(
             url,
+            &operator,
             &["token", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "6"]
         )
         .code,
@@ -130,7 +132,7 @@ async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
         (&["scan", "--chain", "eth", "--once"], "no Ethereum node"),
     ];
     for (args, message) in cases {
-        let run = custodian(url, args);
+        let run = crate::harness::custodian_as(url, &operator, args);
         assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
         assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
         assert_eq!(table_counts(&db).await, before, "{args:?} wrote something");

@@ -37,3 +37,22 @@ pub fn custodian_env(env: &[(&str, &str)], args: &[&str]) -> Run {
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
 }
+
+/// Runs `custodian args…` against `database_url` on the authority of the operator's `token`.
+pub fn custodian_as(database_url: &str, token: &str, args: &[&str]) -> Run {
+    custodian_env(&[("CUSTODIAN_DATABASE_URL", database_url), ("CUSTODIAN_TOKEN", token)], args)
+}
+
+/// Creates an API token `name` with `scopes` in `db` (as the first, bootstrap principal) and
+/// returns it, for commands that record their author.
+pub async fn token(db: &custodian_testkit::TestDb, name: &str, scopes: &[custodian_api::tokens::Scope]) -> String {
+    let client = db.pool.get().await.expect("a connection");
+    custodian_api::tokens::create(&client, name, scopes, custodian_api::tokens::BOOTSTRAP_PRINCIPAL)
+        .await
+        .expect("creating a test token")
+}
+
+/// A token holding every scope, named `operator`.
+pub async fn operator(db: &custodian_testkit::TestDb) -> String {
+    token(db, "operator", &custodian_api::tokens::Scope::ALL).await
+}

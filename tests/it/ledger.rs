@@ -1,6 +1,7 @@
 //! Ledger and projections: confirmation tiers, posting, reversals, ownership changes, replay.
 
 use bitcoin::Amount as Sats;
+use custodian_api::tokens::Scope;
 use custodian_domain::{Amount, BtcNetwork, Chain};
 use custodian_ingest::btc::{BtcAuth, BtcReader};
 use custodian_ingest::{NoProgress, ScanConfig, Scanner};
@@ -10,7 +11,7 @@ use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use serde_json::json;
 
-use crate::harness::custodian;
+use crate::harness::{custodian, custodian_as};
 
 pub fn reader(sim: &BitcoinSim) -> BtcReader {
     let auth = BtcAuth::UserPassword { user: sim.user().to_owned(), password: sim.password().to_owned() };
@@ -76,8 +77,8 @@ async fn confirmation_tiers_apply_exactly_at_and_around_each_boundary() {
     ownership::add_token(&client, token, "TT", 6).await.unwrap();
     let key = format!("eth:{token}");
     assert_eq!(policy::required_confirmations(&client, Chain::Eth, &key, eth("1")).await.unwrap(), Some(32));
-    policy::set_tier(&client, Chain::Eth, &key, Amount::ZERO, 5).await.unwrap();
-    policy::set_tier(&client, Chain::Eth, &key, Amount::from_u64(1_000_000_000), 20).await.unwrap();
+    policy::set_tier(&client, Chain::Eth, &key, Amount::ZERO, 5, "operator").await.unwrap();
+    policy::set_tier(&client, Chain::Eth, &key, Amount::from_u64(1_000_000_000), 20, "operator").await.unwrap();
     for (units, expected) in [(1u64, 5), (999_999_999, 5), (1_000_000_000, 20), (u64::MAX, 20)] {
         let required =
             policy::required_confirmations(&client, Chain::Eth, &key, Amount::from_u64(units)).await.unwrap();
@@ -137,23 +138,34 @@ async fn a_deep_reorg_after_posting_is_proposed_and_reversed_only_on_approval() 
     assert_eq!(scan_and_post(&db, &sim).await.reversals_proposed, 0, "proposed once");
 
     let url = db.url.expose();
+    let carol = crate::harness::token(&db, "carol", &[Scope::Approve]).await;
+    let dave = crate::harness::token(&db, "dave", &[Scope::Approve, Scope::Admin]).await;
+    let erin = crate::harness::token(&db, "erin", &[Scope::Approve]).await;
+    let reader = crate::harness::token(&db, "reporting", &[Scope::Read, Scope::Admin]).await;
     let listed = custodian(url, &["reversals", "list", "--json"]);
     assert_eq!(listed.code, 0, "{}", listed.stderr);
     let id = listed.json()[0]["id"].as_i64().unwrap();
     assert_eq!(listed.json()[0]["decision"], serde_json::Value::Null);
-    let anonymous = custodian(url, &["reversals", "approve", "--id", &id.to_string(), "--by", " "]);
+    let anonymous = custodian(url, &["reversals", "approve", "--id", &id.to_string()]);
     assert_eq!(anonymous.code, 2, "{}", anonymous.stderr);
+    assert!(anonymous.stderr.contains("CUSTODIAN_TOKEN"), "{}", anonymous.stderr);
+    let unscoped = custodian_as(url, &reader, &["reversals", "approve", "--id", &id.to_string()]);
+    assert_eq!(unscoped.code, 2, "admin alone does not decide: {}", unscoped.stderr);
+    assert!(unscoped.stderr.contains("needs the approve scope"), "{}", unscoped.stderr);
+    let forged =
+        custodian_as(url, &format!("cust_{}", "0".repeat(64)), &["reversals", "approve", "--id", &id.to_string()]);
+    assert_eq!(forged.code, 2, "{}", forged.stderr);
+    assert!(forged.stderr.contains("not a known API token"), "{}", forged.stderr);
 
-    let approved = custodian(url, &["reversals", "approve", "--id", &id.to_string(), "--by", "carol", "--json"]);
+    let approved = custodian_as(url, &carol, &["reversals", "approve", "--id", &id.to_string(), "--json"]);
     assert_eq!(approved.code, 0, "{}", approved.stderr);
     assert_eq!(approved.json()["recorded_now"], true);
     assert_eq!(approved.json()["proposal"]["decided_by"], "carol");
     assert_eq!(available(&db, alice).await, "0");
-    let again = custodian(url, &["reversals", "approve", "--id", &id.to_string(), "--by", "dave", "--json"]);
+    let again = custodian_as(url, &dave, &["reversals", "approve", "--id", &id.to_string(), "--json"]);
     assert_eq!((again.code, again.json()["recorded_now"].clone()), (0, json!(false)));
     assert_eq!(again.json()["proposal"]["decided_by"], "carol", "the first decision stands");
-    let rejected =
-        custodian(url, &["reversals", "reject", "--id", &id.to_string(), "--by", "erin", "--reason", "late"]);
+    let rejected = custodian_as(url, &erin, &["reversals", "reject", "--id", &id.to_string(), "--reason", "late"]);
     assert_eq!(rejected.code, 2, "{}", rejected.stderr);
     let client = db.pool.get().await.unwrap();
     let reversals: i64 =

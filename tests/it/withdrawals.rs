@@ -11,6 +11,7 @@ use custodian_domain::withdrawal::WithdrawalState;
 use custodian_domain::{Amount, EthAddress};
 use custodian_projections::replay;
 use custodian_testkit::{eventually, Anvil, TestDb};
+use custodian_withdrawals::limits::{self, LimitChange};
 use custodian_withdrawals::request::{self, Request, RequestError};
 use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::{json, Value};
@@ -39,7 +40,7 @@ impl Harness {
         for (lane, key) in LANE_KEYS {
             let signer = LocalSigner::from_hex(key).unwrap();
             let mut client = db.pool.get().await.unwrap();
-            hot_wallet::add(&mut client, &node, lane, &format!("{:#x}", signer.address())).await.unwrap();
+            hot_wallet::add(&mut client, &node, lane, &format!("{:#x}", signer.address()), "ops").await.unwrap();
             signers.insert(lane.to_owned(), Arc::new(signer));
         }
         Harness { anvil, db, node, signers }
@@ -88,6 +89,7 @@ impl Harness {
             asset: "ETH".to_owned(),
             destination: EthAddress::parse(to).unwrap(),
             amount: Amount::from_units(U256::from(wei)),
+            requested_by: "wallet-app".to_owned(),
         };
         request::request(&mut client, &r).await
     }
@@ -315,6 +317,7 @@ async fn an_erc20_withdrawal_whose_simulation_reverts_is_rejected_without_a_nonc
             asset: asset.clone(),
             destination: EthAddress::parse(&destination(7)).unwrap(),
             amount: Amount::from_u64(1_000_000),
+            requested_by: "wallet-app".into(),
         },
     )
     .await
@@ -565,13 +568,12 @@ async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_cha
 async fn a_withdrawal_above_the_approval_limit_waits_for_a_named_approval() {
     let h = Harness::start(&[]).await;
     let alice = h.funded_account("alice", 10 * ETHER).await;
-    h.db.pool
-        .get()
-        .await
-        .unwrap()
-        .execute("update asset set approval_limit = $1 where asset = 'ETH'", &[&U256::from(2 * ETHER)])
-        .await
-        .unwrap();
+    let one_approver = LimitChange {
+        approval_limit: Some(Some(U256::from(2 * ETHER))),
+        approvals_required: Some(1),
+        daily_limit: None,
+    };
+    limits::set(&mut h.db.pool.get().await.unwrap(), "ETH", &one_approver, "ops").await.unwrap();
     let big = h.request(alice, "big-1", &destination(31), 3 * ETHER).await.unwrap().withdrawal;
     assert_eq!(big.state, WithdrawalState::AwaitingApproval);
     let worker = h.worker(config(1));
@@ -615,6 +617,7 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
         counts
     };
     let before = count_all().await;
+    let client = crate::harness::token(&h.db, "wallet-app", &[custodian_api::tokens::Scope::Withdraw]).await;
     let to = "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed";
     let cases: &[(&[&str], &str)] = &[
         (&["--asset", "ETH", "--to", to, "--amount", "2"], "insufficient funds"),
@@ -627,13 +630,14 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
     for (args, message) in cases {
         let mut full = vec!["withdraw", "--account", "alice", "--external-id", "x-1"];
         full.extend_from_slice(args);
-        let run = crate::harness::custodian(&url, &full);
+        let run = crate::harness::custodian_as(&url, &client, &full);
         assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
         assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
         assert_eq!(count_all().await, before, "{args:?} wrote something");
     }
-    let ok = crate::harness::custodian(
+    let ok = crate::harness::custodian_as(
         &url,
+        &client,
         &[
             "withdraw",
             "--account",
@@ -651,8 +655,9 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
     );
     assert_eq!(ok.code, 0, "{}", ok.stderr);
     assert_eq!(ok.json()["withdrawal"]["amount"], "250000000000000000");
-    let conflict = crate::harness::custodian(
+    let conflict = crate::harness::custodian_as(
         &url,
+        &client,
         &["withdraw", "--account", "alice", "--external-id", "x-1", "--asset", "ETH", "--to", to, "--amount", "0.5"],
     );
     assert_eq!(conflict.code, 2);
@@ -700,4 +705,140 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     assert!(paused.iter().any(|l| l.lane == lane && l.pause_reason.is_some()), "the lane paused: {paused:?}");
     assert_eq!(h.balance(&mallory).await, U256::ZERO, "mallory was never paid");
+}
+
+/// The principal whose token the CLI ran with, per decision, from `custodian events`.
+fn principals_in(events: &Value, kind: &str) -> Vec<String> {
+    events
+        .as_array()
+        .expect("events print a JSON array")
+        .iter()
+        .filter(|e| e["kind"] == kind)
+        .map(|e| {
+            let payload = &e["payload"];
+            payload
+                .get("by")
+                .or_else(|| payload.get("principal"))
+                .or_else(|| payload.get("requested_by"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn four_eyes_through_the_cli_two_distinct_approvers_never_the_requester() {
+    use crate::harness::{custodian_as, token};
+    use custodian_api::tokens::Scope;
+    let h = Harness::start(&[]).await;
+    h.funded_account("alice", 10 * ETHER).await;
+    let url = h.db.url.expose().to_owned();
+    let ops = token(&h.db, "ops", &[Scope::Admin]).await;
+    // the client may also approve: its own request is what it must never approve
+    let app = token(&h.db, "wallet-app", &[Scope::Withdraw, Scope::Approve]).await;
+    let dana = token(&h.db, "dana", &[Scope::Approve]).await;
+    let erin = token(&h.db, "erin", &[Scope::Approve]).await;
+
+    let no_scope =
+        custodian_as(&url, &app, &["withdrawals", "limit", "--asset", "ETH", "--amount", "1", "--approvals", "2"]);
+    assert_eq!(no_scope.code, 2, "limits need admin: {}", no_scope.stderr);
+    let set = custodian_as(
+        &url,
+        &ops,
+        &["withdrawals", "limit", "--asset", "ETH", "--amount", "1", "--approvals", "2", "--json"],
+    );
+    assert_eq!(set.code, 0, "{}", set.stderr);
+    assert_eq!(set.json()["approvals_required"], 2);
+    assert_eq!(set.json()["approval_limit"], "1");
+
+    let requested = custodian_as(
+        &url,
+        &app,
+        &[
+            "withdraw",
+            "--account",
+            "alice",
+            "--external-id",
+            "big-1",
+            "--asset",
+            "ETH",
+            "--to",
+            &destination(51),
+            "--amount",
+            "2",
+            "--json",
+        ],
+    );
+    assert_eq!(requested.code, 0, "{}", requested.stderr);
+    assert_eq!(requested.json()["withdrawal"]["state"], "awaiting_approval");
+    assert_eq!(requested.json()["withdrawal"]["requested_by"], "wallet-app");
+    let id = requested.json()["withdrawal"]["id"].as_i64().unwrap().to_string();
+
+    let own = custodian_as(&url, &app, &["withdrawals", "approve", "--id", &id]);
+    assert_eq!(own.code, 2, "self-approval is refused: {}", own.stderr);
+    assert!(own.stderr.contains("may not approve"), "{}", own.stderr);
+    let anonymous = crate::harness::custodian(&url, &["withdrawals", "approve", "--id", &id]);
+    assert_eq!(anonymous.code, 2, "{}", anonymous.stderr);
+
+    let first = custodian_as(&url, &dana, &["withdrawals", "approve", "--id", &id, "--json"]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    assert_eq!(first.json()["withdrawal"]["state"], "awaiting_approval", "one of two");
+    let twice = custodian_as(&url, &dana, &["withdrawals", "approve", "--id", &id, "--json"]);
+    assert_eq!((twice.code, twice.json()["recorded_now"].clone()), (0, json!(false)), "the same token counts once");
+    assert_eq!(twice.json()["withdrawal"]["state"], "awaiting_approval");
+    let worker = h.worker(config(1));
+    assert_eq!(worker.pass().await.unwrap().signed, 0, "nothing is signed before the second approval");
+    let second = custodian_as(&url, &erin, &["withdrawals", "approve", "--id", &id, "--json"]);
+    assert_eq!(second.code, 0, "{}", second.stderr);
+    assert_eq!(second.json()["withdrawal"]["state"], "requested");
+    assert_eq!(second.json()["withdrawal"]["approvers"], json!(["dana", "erin"]));
+    h.work_until(&worker, false, "confirmation", |h| {
+        let id: i64 = id.parse().unwrap();
+        Box::pin(async move { h.state(id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+
+    // Through the API too: the requester's token is refused with PERMISSION_DENIED (api tests).
+    let events = crate::harness::custodian(&url, &["events", "--json"]);
+    assert_eq!(events.code, 0, "{}", events.stderr);
+    let events = events.json();
+    assert_eq!(principals_in(&events, "withdrawal_requested"), ["wallet-app"]);
+    assert_eq!(principals_in(&events, "withdrawal_approved"), ["dana", "erin"]);
+    assert_eq!(principals_in(&events, "operator_limit_set"), ["ops"]);
+    assert_eq!(principals_in(&events, "operator_lane_added"), ["ops", "ops"]);
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refused() {
+    use crate::harness::{custodian_as, token};
+    use custodian_api::tokens::Scope;
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let url = h.db.url.expose().to_owned();
+    let ops = token(&h.db, "ops", &[Scope::Admin]).await;
+    let set = custodian_as(&url, &ops, &["withdrawals", "limit", "--asset", "ETH", "--daily", "1", "--approvals", "1"]);
+    assert_eq!(set.code, 0, "{}", set.stderr);
+    let first = h.request(alice, "d-1", &destination(52), 6 * ETHER / 10).await.unwrap().withdrawal;
+    assert_eq!(first.state, WithdrawalState::Requested, "0.6 of a 1 ETH day");
+    let second = h.request(alice, "d-2", &destination(52), 3 * ETHER / 10).await.unwrap().withdrawal;
+    assert_eq!(second.state, WithdrawalState::Requested, "0.9 of a 1 ETH day");
+    let third = h.request(alice, "d-3", &destination(52), 2 * ETHER / 10).await.unwrap().withdrawal;
+    assert_eq!(third.state, WithdrawalState::AwaitingApproval, "1.1 would pass the daily total");
+    let events = sql::events(&h.db.pool.get().await.unwrap(), third.id).await.unwrap();
+    assert!(
+        events.iter().any(|e| matches!(e, custodian_domain::withdrawal::WithdrawalEvent::AwaitingApproval { reason, .. } if reason == "daily_limit")),
+        "{events:?}"
+    );
+    // another account has a day of its own
+    let bob = h.funded_account("bob", ETHER).await;
+    assert_eq!(
+        h.request(bob, "b-1", &destination(53), ETHER / 2).await.unwrap().withdrawal.state,
+        WithdrawalState::Requested
+    );
+    // cancelled withdrawals do not count towards the day
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id, "wallet-app").await.unwrap();
+    let fourth = h.request(alice, "d-4", &destination(52), 5 * ETHER / 10).await.unwrap().withdrawal;
+    assert_eq!(fourth.state, WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
 }

@@ -21,9 +21,17 @@ pub enum ActionError {
         /// What would be needed.
         message: &'static str,
     },
-    /// A name is required.
-    #[error("an approval needs the name of the person approving (--by)")]
+    /// A decision needs an authenticated principal.
+    #[error("a decision needs the authenticated principal making it (an API token)")]
     Anonymous,
+    /// Four eyes: the requester may not approve their own withdrawal.
+    #[error("withdrawal {id} was requested by {by:?}, who may not approve it: another principal must")]
+    SelfApproval {
+        /// Withdrawal.
+        id: i64,
+        /// The requester, who tried to approve.
+        by: String,
+    },
     /// The database failed.
     #[error("database error: {0}")]
     Database(String),
@@ -41,7 +49,10 @@ impl From<StoreError> for ActionError {
     }
 }
 
-/// Approves a withdrawal waiting in `awaiting_approval`; approving it again changes nothing.
+/// Records `by`'s approval of a withdrawal waiting in `awaiting_approval`. It leaves that state
+/// once as many distinct principals as its `awaiting_approval` event asks for have approved,
+/// none of them its requester (refused with [`ActionError::SelfApproval`]). The same principal
+/// approving again changes nothing (`false`).
 ///
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing.
@@ -56,6 +67,12 @@ pub async fn approve(
     }
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.requested_by == by {
+        return Err(ActionError::SelfApproval { id, by: by.to_owned() });
+    }
+    if w.approvers.iter().any(|approver| approver == by) {
+        return Ok((w, false));
+    }
     if w.state != WithdrawalState::AwaitingApproval {
         let approved_before = sql::events(&tx, id).await?.iter().any(|e| matches!(e, WithdrawalEvent::Approved { .. }));
         if approved_before {

@@ -1,5 +1,6 @@
 //! Hot wallets: one lane each, the row whose lock serialises every withdrawal leaving it.
 
+use custodian_store::operator::{self, Action};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -59,6 +60,7 @@ pub async fn add(
     node: &EthNode,
     lane: &str,
     address: &str,
+    by: &str,
 ) -> Result<(Lane, bool), HotWalletError> {
     let parsed: alloy_primitives::Address =
         address.parse().map_err(|_| HotWalletError::UnknownLane(lane.to_owned()))?;
@@ -89,15 +91,27 @@ pub async fn add(
         &[&address, &lane, &next],
     )
     .await?;
+    let details = serde_json::json!({"chain": "eth", "lane": lane, "address": address, "next_nonce": next});
+    operator::record(&tx, Action::LaneAdded, by, &details).await?;
     tx.commit().await?;
     Ok((Lane { lane: lane.to_owned(), address: address.to_owned(), next_nonce: next, pause_reason: None }, true))
 }
 
-/// Pauses (`Some(reason)`) or resumes (`None`) a lane.
-pub async fn set_paused<C: GenericClient>(client: &C, lane: &str, reason: Option<&str>) -> Result<(), HotWalletError> {
+/// Pauses (`Some(reason)`) or resumes (`None`) a lane on `by`'s authority, recorded as an
+/// operator action in the same transaction.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it changes nothing.
+pub async fn set_paused(
+    client: &mut deadpool_postgres::Object,
+    lane: &str,
+    reason: Option<&str>,
+    by: &str,
+) -> Result<(), HotWalletError> {
+    let tx = client.transaction().await?;
     let changed = match reason {
         Some(reason) => {
-            client
+            tx
                 .execute(
                     "update hot_wallet set paused_at = coalesce(paused_at, now()), pause_reason = $2 where chain = 'eth' and lane = $1",
                     &[&lane, &reason],
@@ -105,13 +119,18 @@ pub async fn set_paused<C: GenericClient>(client: &C, lane: &str, reason: Option
                 .await?
         }
         None => {
-            client
-                .execute("update hot_wallet set paused_at = null, pause_reason = null where chain = 'eth' and lane = $1", &[&lane])
+            tx.execute("update hot_wallet set paused_at = null, pause_reason = null where chain = 'eth' and lane = $1", &[&lane])
                 .await?
         }
     };
     if changed == 0 {
         return Err(HotWalletError::UnknownLane(lane.to_owned()));
     }
+    let (action, details) = match reason {
+        Some(reason) => (Action::LanePaused, serde_json::json!({"lane": lane, "reason": reason})),
+        None => (Action::LaneResumed, serde_json::json!({"lane": lane})),
+    };
+    operator::record(&tx, action, by, &details).await?;
+    tx.commit().await?;
     Ok(())
 }

@@ -8,6 +8,7 @@
 
 pub mod actions;
 pub mod hot_wallet;
+pub mod limits;
 pub mod request;
 pub mod rpc;
 pub mod signer;

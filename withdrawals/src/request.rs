@@ -22,6 +22,9 @@ pub struct Request {
     pub destination: EthAddress,
     /// Smallest units, positive.
     pub amount: Amount,
+    /// The authenticated principal asking (an API token's name): recorded in the `requested`
+    /// event, and never allowed to approve this withdrawal.
+    pub requested_by: String,
 }
 
 /// How a request ended.
@@ -165,11 +168,19 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
     if let Some(found) = existing(&tx, request).await? {
         return Ok(found);
     }
+    if request.requested_by.trim().is_empty() {
+        return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
+    }
     let asset = tx
-        .query_opt("select approval_limit from asset where asset = $1 and chain = 'eth'", &[&request.asset])
+        .query_opt(
+            "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = 'eth'",
+            &[&request.asset],
+        )
         .await?
         .ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?}", request.asset)))?;
     let approval_limit: Option<U256> = asset.get(0);
+    let approvals = u32::try_from(asset.get::<_, i16>(1)).expect("BUG: approvals_required is checked positive");
+    let daily_limit: Option<U256> = asset.get(2);
     let destination = request.destination.to_lowercase_hex();
     if tx.query_opt("select 1 from hot_wallet where chain = 'eth' and address = $1", &[&destination]).await?.is_some() {
         return Err(RequestError::Invalid(format!("{} is one of our hot wallets", request.destination)));
@@ -196,6 +207,24 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
             available,
         });
     }
+    // The rolling 24-hour total of this account's withdrawals of the asset, read under the
+    // account lock like the balance: concurrent requests cannot both slip under it.
+    let past_day: U256 = tx
+        .query_one(
+            "select coalesce(sum(amount), 0) from withdrawal
+              where account_id = $1 and asset = $2 and requested_at > now() - interval '24 hours'
+                and state not in ('rejected', 'cancelled', 'failed_onchain')",
+            &[&request.account_id, &request.asset],
+        )
+        .await?
+        .get(0);
+    let waits = match (approval_limit, daily_limit) {
+        (Some(limit), _) if request.amount.units() > limit => Some((limit, "approval_limit")),
+        (_, Some(daily)) if past_day.checked_add(request.amount.units()).is_none_or(|total| total > daily) => {
+            Some((daily, "daily_limit"))
+        }
+        _ => None,
+    };
     let lanes = crate::hot_wallet::lanes(&tx).await?;
     if lanes.is_empty() {
         return Err(RequestError::NoHotWallet);
@@ -215,13 +244,18 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
             destination,
             amount: request.amount,
             lane: lane.lane.clone(),
+            requested_by: request.requested_by.trim().to_owned(),
         },
     )
     .await?;
     sql::post(&tx, &withdrawal, Movement::Hold, Amount::ZERO).await?;
-    if let Some(limit) = approval_limit.filter(|limit| request.amount.units() > *limit) {
-        sql::append(&tx, &mut withdrawal, WithdrawalEvent::AwaitingApproval { limit: Amount::from_units(limit) })
-            .await?;
+    if let Some((limit, reason)) = waits {
+        let event = WithdrawalEvent::AwaitingApproval {
+            limit: Amount::from_units(limit),
+            approvals,
+            reason: reason.to_owned(),
+        };
+        sql::append(&tx, &mut withdrawal, event).await?;
     }
     tx.commit().await?;
     metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);

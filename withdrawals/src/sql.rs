@@ -45,8 +45,8 @@ pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Res
 
 const UPSERT: &str = "
 insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, from_address,
-                        nonce, tx_hash, mined_block_hash, last_seq)
-values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                        nonce, tx_hash, mined_block_hash, last_seq, requested_by)
+values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''))
 on conflict (id) do update set state = excluded.state, from_address = excluded.from_address, nonce = excluded.nonce,
     tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
     updated_at = now()";
@@ -69,6 +69,7 @@ async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), to
             &w.tx_hash,
             &w.mined_block_hash,
             &w.last_seq,
+            &w.requested_by,
         ],
     )
     .await?;

@@ -638,6 +638,9 @@ impl Worker {
                 last_seq: row.get(7),
                 state_before_cancel: None,
                 attempt_at_block: None,
+                requested_by: String::new(),
+                approvals_required: 0,
+                approvers: Vec::new(),
             };
             let (to, value, input) = payout_call(&w);
             unsigned.push(TxEip1559 {

@@ -39,9 +39,9 @@ async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, Status> {
 }
 
 /// Pauses (`Some(reason)`) or resumes a lane and returns it as it is now.
-async fn set_paused(state: &State, lane: &str, reason: Option<&str>) -> Result<pb::HotWallet, Status> {
-    let client = state.client().await?;
-    hot_wallet::set_paused(&client, lane, reason).await.map_err(status::hot_wallet)?;
+async fn set_paused(state: &State, lane: &str, reason: Option<&str>, by: &str) -> Result<pb::HotWallet, Status> {
+    let mut client = state.client().await?;
+    hot_wallet::set_paused(&mut client, lane, reason, by).await.map_err(status::hot_wallet)?;
     lanes(&client)
         .await?
         .into_iter()
@@ -67,7 +67,7 @@ impl pb::admin_server::Admin for AdminService {
         let message = request.get_ref();
         let lane = wire::required(&message.lane, "lane")?;
         let reason = wire::required(&message.reason, "reason")?;
-        let paused = set_paused(&self.state, lane, Some(reason)).await?;
+        let paused = set_paused(&self.state, lane, Some(reason), &caller.name).await?;
         tracing::warn!(lane, reason, token = caller.name, "lane paused through the API");
         Ok(Response::new(paused))
     }
@@ -75,7 +75,7 @@ impl pb::admin_server::Admin for AdminService {
     async fn resume_lane(&self, request: Request<pb::ResumeLaneRequest>) -> Result<Response<pb::HotWallet>, Status> {
         let caller = self.state.auth.authorize(&request, Scope::Admin, "ResumeLane").await?;
         let lane = wire::required(&request.get_ref().lane, "lane")?;
-        let resumed = set_paused(&self.state, lane, None).await?;
+        let resumed = set_paused(&self.state, lane, None, &caller.name).await?;
         tracing::warn!(lane, token = caller.name, "lane resumed through the API");
         Ok(Response::new(resumed))
     }

@@ -139,7 +139,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         &self,
         request: Request<pb::RequestWithdrawalRequest>,
     ) -> Result<Response<pb::RequestWithdrawalResponse>, Status> {
-        self.state.auth.authorize(&request, Scope::Withdraw, "RequestWithdrawal").await?;
+        let caller = self.state.auth.authorize(&request, Scope::Withdraw, "RequestWithdrawal").await?;
         let message = request.get_ref();
         let external_id = wire::required(&message.external_id, "external_id")?;
         let asset = wire::required(&message.asset, "asset")?;
@@ -164,6 +164,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
             asset,
             destination,
             amount,
+            requested_by: caller.name,
         };
         let outcome = request::request(&mut client, &parsed).await.map_err(status::request)?;
         if outcome.created {
@@ -211,7 +212,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let caller = self.state.auth.authorize(&request, Scope::Withdraw, "CancelWithdrawal").await?;
         let id = request.get_ref().id;
         let mut client = self.state.client().await?;
-        let by = format!("api token {}", caller.name);
+        let by = caller.name;
         let (_, recorded) = actions::cancel(&mut client, id, &by).await.map_err(status::action)?;
         if recorded {
             tracing::info!(id, by, "withdrawal cancel recorded");
@@ -223,18 +224,13 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         &self,
         request: Request<pb::ApproveWithdrawalRequest>,
     ) -> Result<Response<pb::Withdrawal>, Status> {
-        let caller = self.state.auth.authorize(&request, Scope::Admin, "ApproveWithdrawal").await?;
+        // The approver is the authenticated principal, never a name the caller types.
+        let caller = self.state.auth.authorize(&request, Scope::Approve, "ApproveWithdrawal").await?;
         let message = request.get_ref();
         let mut client = self.state.client().await?;
-        let (_, recorded) =
-            actions::approve(&mut client, message.id, &message.approved_by).await.map_err(status::action)?;
+        let (_, recorded) = actions::approve(&mut client, message.id, &caller.name).await.map_err(status::action)?;
         if recorded {
-            tracing::info!(
-                id = message.id,
-                by = message.approved_by.trim(),
-                token = caller.name,
-                "withdrawal approved"
-            );
+            tracing::info!(id = message.id, by = caller.name, "withdrawal approval recorded");
         }
         Ok(Response::new(load(&client, message.id).await?))
     }

@@ -27,7 +27,7 @@ async fn calls_without_a_valid_token_are_unauthenticated() {
 
     // The token works until it is revoked, and not a moment after.
     assert_status(get(authed(&token, message())).await, Code::NotFound, &["no account has id 1"]);
-    assert!(tokens::revoke(&api.db.pool.get().await.unwrap(), "client").await.unwrap());
+    assert!(tokens::revoke(&api.db.pool.get().await.unwrap(), "client", "ops").await.unwrap());
     assert_status(get(authed(&token, message())).await, Code::Unauthenticated, &["\"client\"", "revoked"]);
 
     // Health needs no token.
@@ -66,7 +66,7 @@ const CALLS: [(Call, Scope); 15] = [
     (Call::GetWithdrawal, Scope::Read),
     (Call::ListWithdrawals, Scope::Read),
     (Call::CancelWithdrawal, Scope::Withdraw),
-    (Call::ApproveWithdrawal, Scope::Admin),
+    (Call::ApproveWithdrawal, Scope::Approve),
     (Call::StreamEvents, Scope::Read),
     (Call::ListHotWallets, Scope::Admin),
     (Call::PauseLane, Scope::Admin),
@@ -112,7 +112,7 @@ async fn call(api: &Api, token: &str, call: Call, account: i64) -> Result<(), St
             api.withdrawals().cancel_withdrawal(authed(token, pb::CancelWithdrawalRequest { id: 1 })).await?;
         }
         Call::ApproveWithdrawal => {
-            let request = pb::ApproveWithdrawalRequest { id: 1, approved_by: "alice".into() };
+            let request = pb::ApproveWithdrawalRequest { id: 1 };
             api.withdrawals().approve_withdrawal(authed(token, request)).await?;
         }
         Call::StreamEvents => {
@@ -191,7 +191,7 @@ async fn a_token_over_its_rate_is_resource_exhausted_and_others_are_not() {
 async fn tokens_are_stored_hashed_and_revoked_not_deleted() {
     let api = Api::start().await;
     let client = api.db.pool.get().await.unwrap();
-    let token = tokens::create(&client, "reporting", &[Scope::Read, Scope::Read, Scope::Admin]).await.unwrap();
+    let token = tokens::create(&client, "reporting", &[Scope::Read, Scope::Read, Scope::Admin], "ops").await.unwrap();
     assert!(token.starts_with(tokens::TOKEN_PREFIX));
 
     let row = client.query_one("select token_hash, scopes, row_to_json(t)::text from api_token t", &[]).await.unwrap();
@@ -204,15 +204,18 @@ async fn tokens_are_stored_hashed_and_revoked_not_deleted() {
     assert!(!whole_row.contains(&token[tokens::TOKEN_PREFIX.len()..]), "the token itself is not stored");
 
     assert!(matches!(
-        tokens::create(&client, "reporting", &[Scope::Read]).await,
+        tokens::create(&client, "reporting", &[Scope::Read], "ops").await,
         Err(TokenError::NameTaken(name)) if name == "reporting"
     ));
-    assert!(matches!(tokens::create(&client, "empty", &[]).await, Err(TokenError::NoScopes)));
-    assert!(matches!(tokens::create(&client, "two words", &[Scope::Read]).await, Err(TokenError::InvalidName(_))));
-    assert!(matches!(tokens::revoke(&client, "nobody").await, Err(TokenError::UnknownName(_))));
+    assert!(matches!(tokens::create(&client, "empty", &[], "ops").await, Err(TokenError::NoScopes)));
+    assert!(matches!(
+        tokens::create(&client, "two words", &[Scope::Read], "ops").await,
+        Err(TokenError::InvalidName(_))
+    ));
+    assert!(matches!(tokens::revoke(&client, "nobody", "ops").await, Err(TokenError::UnknownName(_))));
 
-    assert!(tokens::revoke(&client, "reporting").await.unwrap(), "revoked now");
-    assert!(!tokens::revoke(&client, "reporting").await.unwrap(), "revoking again changes nothing");
+    assert!(tokens::revoke(&client, "reporting", "ops").await.unwrap(), "revoked now");
+    assert!(!tokens::revoke(&client, "reporting", "ops").await.unwrap(), "revoking again changes nothing");
     // The table keeps the record: nothing but the revocation may change, nothing may go.
     // The service's login meets a missing privilege first; revoking twice meets the trigger.
     for (statement, expected) in [

@@ -38,7 +38,7 @@ async fn a_deposit_is_credited_and_a_withdrawal_confirmed_through_the_api_alone(
     let api = Api::start().await;
     let token = api.root_token().await;
     let client = api.db.pool.get().await.unwrap();
-    policy::set_tier(&client, Chain::Eth, "ETH", Amount::ZERO, DEPOSIT_CONFIRMATIONS).await.unwrap();
+    policy::set_tier(&client, Chain::Eth, "ETH", Amount::ZERO, DEPOSIT_CONFIRMATIONS, "ops").await.unwrap();
     let mut accounts = api.accounts();
     let mut withdrawals = api.withdrawals();
     let new_address =
@@ -94,7 +94,9 @@ async fn a_deposit_is_credited_and_a_withdrawal_confirmed_through_the_api_alone(
     // The withdrawal: requested through the API, paid out by the real worker.
     let node = EthNode::new(&anvil.url).unwrap();
     let signer = LocalSigner::from_hex(HOT_WALLET_KEY).unwrap();
-    hot_wallet::add(&mut api.db.pool.get().await.unwrap(), &node, "a", HOT_WALLET).await.expect("register the lane");
+    hot_wallet::add(&mut api.db.pool.get().await.unwrap(), &node, "a", HOT_WALLET, "ops")
+        .await
+        .expect("register the lane");
     let signers: HashMap<String, Arc<dyn Signer>> =
         HashMap::from([("a".to_owned(), Arc::new(signer) as Arc<dyn Signer>)]);
     let worker =

@@ -75,8 +75,11 @@ async fn write_history(api: &Api, token: &str) -> (i64, usize) {
         api.withdrawals().request_withdrawal(authed(token, request)).await.unwrap();
     }
     // Each credit: a block, a deposit observation, a ledger transfer. Each request: its event
-    // and the hold's transfer.
-    (account, 4 * 3 + usize::try_from(BULK_BLOCKS).unwrap() + 3 * 2)
+    // and the hold's transfer. And the operator actions (the tokens' creation).
+    let client = api.db.pool.get().await.unwrap();
+    let actions: i64 = client.query_one("select count(*) from operator_action", &[]).await.unwrap().get(0);
+    assert!(actions >= 1, "creating the caller's token is an operator action");
+    (account, 4 * 3 + usize::try_from(BULK_BLOCKS).unwrap() + 3 * 2 + usize::try_from(actions).unwrap())
 }
 
 #[tokio::test]
@@ -89,7 +92,19 @@ async fn a_stream_resumed_after_any_position_continues_without_gaps_or_repeats()
     let positions: HashSet<i64> = full.iter().map(|e| e.position).collect();
     assert_eq!(positions.len(), full.len(), "no position twice");
     let kinds: HashSet<&str> = full.iter().map(|e| e.kind.as_str()).collect();
-    assert_eq!(kinds, HashSet::from(["block", "deposit_observed", "ledger_transfer", "withdrawal_requested"]));
+    assert_eq!(
+        kinds,
+        HashSet::from([
+            "block",
+            "deposit_observed",
+            "ledger_transfer",
+            "withdrawal_requested",
+            "operator_token_created"
+        ])
+    );
+    let created = full.iter().find(|e| e.kind == "operator_token_created").unwrap();
+    let payload: serde_json::Value = serde_json::from_str(&created.payload_json).unwrap();
+    assert_eq!((payload["name"].as_str(), payload["principal"].as_str()), (Some("root"), Some("bootstrap")));
     let requested = full.iter().find(|e| e.kind == "withdrawal_requested").unwrap();
     let payload: serde_json::Value = serde_json::from_str(&requested.payload_json).unwrap();
     assert_eq!(payload["amount"], (ETHER / 10).to_string(), "amounts are integer strings of smallest units");

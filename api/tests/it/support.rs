@@ -106,7 +106,9 @@ impl Api {
 
     /// Creates a token with `scopes` directly in the database, as `custodian token create` does.
     pub async fn token(&self, name: &str, scopes: &[Scope]) -> String {
-        tokens::create(&self.db.pool.get().await.unwrap(), name, scopes).await.expect("create a token")
+        tokens::create(&self.db.pool.get().await.unwrap(), name, scopes, tokens::BOOTSTRAP_PRINCIPAL)
+            .await
+            .expect("create a token")
     }
 
     /// A token with every scope.

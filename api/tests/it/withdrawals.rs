@@ -144,7 +144,10 @@ async fn approvals_cancels_and_listing_go_through_the_api() {
     api.credit(account, 0, 10 * ETHER).await;
     let client = api.db.pool.get().await.unwrap();
     client
-        .execute("update asset set approval_limit = $1::text::numeric where asset = 'ETH'", &[&ETHER.to_string()])
+        .execute(
+            "update asset set approval_limit = $1::text::numeric, approvals_required = 1 where asset = 'ETH'",
+            &[&ETHER.to_string()],
+        )
         .await
         .unwrap();
     let mut withdrawals = api.withdrawals();
@@ -157,18 +160,18 @@ async fn approvals_cancels_and_listing_go_through_the_api() {
         .withdrawal
         .unwrap();
     assert_eq!(big.state, i32::from(pb::WithdrawalState::AwaitingApproval));
-    let approve = |token: &str, approved_by: &str| {
-        authed(token, pb::ApproveWithdrawalRequest { id: big.id, approved_by: approved_by.into() })
-    };
+    let alice = api.token("alice", &[custodian_api::tokens::Scope::Approve]).await;
+    let approve = |token: &str| authed(token, pb::ApproveWithdrawalRequest { id: big.id });
+    assert_status(withdrawals.approve_withdrawal(approve(&reader)).await, Code::PermissionDenied, &["approve"]);
+    // Four eyes: root requested it, so root (holding every scope) may not approve it.
     assert_status(
-        withdrawals.approve_withdrawal(approve(&reader, "mallory")).await,
+        withdrawals.approve_withdrawal(approve(&root)).await,
         Code::PermissionDenied,
-        &["admin"],
+        &["requested by \"root\"", "may not approve"],
     );
-    assert_status(withdrawals.approve_withdrawal(approve(&root, "  ")).await, Code::InvalidArgument, &["approved_by"]);
-    let approved = withdrawals.approve_withdrawal(approve(&root, "alice")).await.unwrap().into_inner();
+    let approved = withdrawals.approve_withdrawal(approve(&alice)).await.unwrap().into_inner();
     assert_eq!(approved.state, i32::from(pb::WithdrawalState::Requested));
-    assert_eq!(withdrawals.approve_withdrawal(approve(&root, "alice")).await.unwrap().into_inner(), approved);
+    assert_eq!(withdrawals.approve_withdrawal(approve(&alice)).await.unwrap().into_inner(), approved);
 
     let small = withdrawals
         .request_withdrawal(authed(&root, withdrawal_request(account, "small", DESTINATION, ETHER / 2)))
@@ -177,9 +180,9 @@ async fn approvals_cancels_and_listing_go_through_the_api() {
         .into_inner()
         .withdrawal
         .unwrap();
-    let wrong_state = pb::ApproveWithdrawalRequest { id: small.id, approved_by: "alice".into() };
+    let wrong_state = pb::ApproveWithdrawalRequest { id: small.id };
     assert_status(
-        withdrawals.approve_withdrawal(authed(&root, wrong_state)).await,
+        withdrawals.approve_withdrawal(authed(&alice, wrong_state)).await,
         Code::FailedPrecondition,
         &["only a withdrawal awaiting approval"],
     );
