@@ -144,7 +144,7 @@ ensure_postgres() {
     if [ "$(pg_sql -c "select count(*) from pg_roles where rolname in ('custodian_owner', 'custodian_app', 'custodian_service', 'custodian_reader')")" != 4 ]; then
         log "creating the roles custodian_owner, custodian_app, custodian_service, custodian_reader"
     fi
-    pg_sql -f "$ROOT/scripts/roles.sql" >/dev/null
+    PGOPTIONS="-c client_min_messages=warning" pg_sql -f "$ROOT/scripts/roles.sql" >/dev/null
 
     # Friendly for plain `psql` as root: a superuser role named root.
     if [ "$(id -u)" -eq 0 ] && [ -z "$(pg_sql -c "select 1 from pg_roles where rolname='root'")" ]; then

@@ -128,10 +128,47 @@ impl FileConfig {
             .map_err(|e| invalid(format!("{e:#}")))?;
         // The error's own Display quotes the offending line, which may hold a secret: report only
         // the line number and the message.
-        toml::from_str(&text).map_err(|e| {
+        let config: FileConfig = toml::from_str(&text).map_err(|e| {
             let line = e.span().map_or(0, |span| text[..span.start].matches('\n').count() + 1);
             invalid(format!("{} line {line}: {}", path.display(), e.message()))
-        })
+        })?;
+        if let Some(secret) = config.secret_held() {
+            use std::os::unix::fs::PermissionsExt;
+            let mode =
+                std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.permissions().mode();
+            if mode & 0o077 != 0 {
+                return Err(invalid(format!(
+                    "{} holds a secret ({secret}) but is readable by other users (mode {:o}); chmod 600 it, \
+                     as key files are",
+                    path.display(),
+                    mode & 0o777
+                )));
+            }
+        }
+        Ok(config)
+    }
+
+    /// The first secret the file holds, named (never shown): a database password, the Bitcoin
+    /// Core RPC password, or a hot key.
+    fn secret_held(&self) -> Option<String> {
+        use secrecy::ExposeSecret;
+        let has_password = |url: &Option<SecretString>| {
+            url.as_ref().is_some_and(|url| {
+                url.expose_secret()
+                    .parse::<tokio_postgres::Config>()
+                    .map_or(true, |config| config.get_password().is_some_and(|p| !p.is_empty()))
+            })
+        };
+        if has_password(&self.database_url) {
+            return Some("database_url has a password".into());
+        }
+        if has_password(&self.migrate_database_url) {
+            return Some("migrate_database_url has a password".into());
+        }
+        if self.btc.rpc_password.is_some() {
+            return Some("[btc] rpc_password".into());
+        }
+        self.hot_keys.iter().find(|(_, key)| key.key.is_some()).map(|(lane, _)| format!("[hot_keys.{lane}] key"))
     }
 }
 
@@ -154,5 +191,33 @@ mod tests {
             assert!(!debug.contains(leaked), "{leaked} appears in {debug}");
         }
         assert!(toml::from_str::<FileConfig>("[eth]\nrpc_urll = \"x\"\n").is_err(), "typos are refused");
+    }
+
+    #[test]
+    fn a_file_holding_a_secret_must_be_readable_by_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("custodian-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cases = [
+            ("database_url = \"postgres://app:pw@db/custodian\"\n", true),
+            ("database_url = \"host=db user=app password=pw\"\n", true),
+            ("[btc]\nrpc_password = \"pw\"\n", true),
+            ("[hot_keys.a]\nkey = \"0x01\"\n", true),
+            ("database_url = \"postgres://app@db/custodian\"\n[hot_keys.a]\nkey_file = \"/k\"\n", false),
+        ];
+        for (n, (text, secret)) in cases.iter().enumerate() {
+            let path = dir.join(format!("{n}.toml"));
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+            let loaded = FileConfig::load(&path);
+            assert_eq!(loaded.is_err(), *secret, "{text}");
+            if let Err(e) = loaded {
+                let message = format!("{e:#}");
+                assert!(message.contains("chmod 600") && !message.contains("pw"), "{message}");
+            }
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            assert!(FileConfig::load(&path).is_ok(), "{text} at 0600");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

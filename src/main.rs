@@ -5,11 +5,18 @@ mod cli;
 mod commands;
 mod config;
 mod exit;
+mod secrets;
 mod settings;
 
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
+    // Before any thread exists: hot keys leave the environment, and no core dump can hold them.
+    secrets::take_hot_keys_from_environment();
+    if let Err(e) = secrets::disable_core_dumps() {
+        eprintln!("error: could not disable core dumps: {e}");
+        return exit::Exit::Operational.into();
+    }
     let cli = cli::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

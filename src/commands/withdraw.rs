@@ -335,12 +335,11 @@ pub fn signers(
             Some(path) => {
                 LocalSigner::from_file(Path::new(&path)).map_err(|e| invalid(format!("lane {}: {e}", lane.lane)))?
             }
-            None => match std::env::var(format!("CUSTODIAN_HOT_KEY_{name}")) {
-                Ok(key) => {
-                    let key = zeroize::Zeroizing::new(key);
+            None => match crate::secrets::hot_key(&name) {
+                Some(key) => {
                     LocalSigner::from_hex(&key).map_err(|e| invalid(format!("CUSTODIAN_HOT_KEY_{name}: {e}")))?
                 }
-                Err(_) if settings.file.hot_keys.contains_key(&lane.lane) => {
+                None if settings.file.hot_keys.contains_key(&lane.lane) => {
                     let configured = &settings.file.hot_keys[&lane.lane];
                     match (&configured.key_file, &configured.key) {
                         (Some(path), _) => {
@@ -354,7 +353,7 @@ pub fn signers(
                         (None, None) => return Err(invalid(format!("[hot_keys.{}] needs key_file or key", lane.lane))),
                     }
                 }
-                Err(_) => {
+                None => {
                     tracing::warn!(lane = %lane.lane, "no key for this lane; its withdrawals wait for a worker that has one");
                     continue;
                 }

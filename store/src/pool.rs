@@ -77,13 +77,21 @@ impl DatabaseUrl {
         &self.config
     }
 
+    /// The URL with every place a password can sit masked, found from the string's structure
+    /// rather than by searching for the parsed password (which a percent-encoded URL spells
+    /// differently): the userinfo of a URL, its `password` query parameters, and the `password`
+    /// key of a key=value string. If the parsed configuration holds a password that none of
+    /// these covered, nothing of the string is shown.
     fn masked(&self) -> String {
+        let masked = match self.raw.split_once("://") {
+            Some((scheme, rest)) => format!("{scheme}://{}", mask_url_rest(rest)),
+            None => mask_key_values(&self.raw),
+        };
         match self.config.get_password() {
-            Some(password) => {
-                let password = String::from_utf8_lossy(password);
-                self.raw.replace(&format!(":{password}@"), ":***@")
+            Some(password) if !password.is_empty() && masked.contains(&*String::from_utf8_lossy(password)) => {
+                "(connection string not shown: it holds a password)".to_owned()
             }
-            None => self.raw.clone(),
+            _ => masked,
         }
     }
 }
@@ -109,6 +117,74 @@ impl fmt::Debug for DatabaseUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "DatabaseUrl({})", self.masked())
     }
+}
+
+/// `user:password@hosts/db?params` with the password and any `password=` parameter masked.
+fn mask_url_rest(rest: &str) -> String {
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(end) => rest.split_at(end),
+        None => (rest, ""),
+    };
+    let authority = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{user}:***@{hosts}"),
+            None => format!("{userinfo}@{hosts}"),
+        },
+        None => authority.to_owned(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let params: Vec<String> = query
+                .split('&')
+                .map(|param| match param.split_once('=') {
+                    Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                    _ => param.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", params.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    format!("{authority}{tail}")
+}
+
+/// `host=… password=… dbname=…` with the password's value (quoted or not) masked.
+fn mask_key_values(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while !rest.is_empty() {
+        let start = rest.len() - rest.trim_start().len();
+        out.push_str(&rest[..start]);
+        rest = &rest[start..];
+        let key_end = rest.find(|c: char| c == '=' || c.is_whitespace()).unwrap_or(rest.len());
+        let key = &rest[..key_end];
+        let after_key = rest[key_end..].trim_start();
+        if !after_key.starts_with('=') {
+            out.push_str(key);
+            rest = &rest[key_end..];
+            continue;
+        }
+        let value = after_key[1..].trim_start();
+        let value_len = if let Some(quoted) = value.strip_prefix('\'') {
+            // a quoted value ends at the first quote not escaped by a backslash
+            let mut escaped = false;
+            let end = quoted
+                .char_indices()
+                .find(|&(_, c)| {
+                    let close = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    close
+                })
+                .map_or(quoted.len(), |(i, _)| i + 1);
+            end + 1
+        } else {
+            value.find(char::is_whitespace).unwrap_or(value.len())
+        };
+        let shown = if key.eq_ignore_ascii_case("password") { "***" } else { &value[..value_len] };
+        out.push_str(&format!("{key}={shown}"));
+        rest = &value[value_len..];
+    }
+    out
 }
 
 /// Builds a pool of at most `max_size` connections and proves it works by taking one.
@@ -138,5 +214,37 @@ mod tests {
         assert_eq!(other.expose(), "postgres://app:s3cret@db.internal:5433/scratch?sslmode=disable");
         let bare: DatabaseUrl = "postgres://postgres@127.0.0.1:5432".parse().expect("valid");
         assert_eq!(bare.with_dbname("x").expose(), "postgres://postgres@127.0.0.1:5432/x");
+    }
+
+    #[test]
+    fn every_form_of_password_is_masked() {
+        let cases = [
+            // percent-encoded: the parsed password is "p@ss:w/rd", spelled differently in the URL
+            ("postgres://app:p%40ss%3Aw%2Frd@db:5432/custodian", "postgres://app:***@db:5432/custodian", "p%40ss"),
+            (
+                "postgresql://app:s3cret@a:5432,b:5433/custodian?target_session_attrs=read-write",
+                "postgresql://app:***@a:5432,b:5433/custodian?target_session_attrs=read-write",
+                "s3cret",
+            ),
+            (
+                "postgres://app@db/custodian?sslmode=require&password=s3cret",
+                "postgres://app@db/custodian?sslmode=require&password=***",
+                "s3cret",
+            ),
+            ("postgres://app@db?password=s3cret", "postgres://app@db?password=***", "s3cret"),
+            (
+                "host=db user=app password=s3cret dbname=custodian",
+                "host=db user=app password=*** dbname=custodian",
+                "s3cret",
+            ),
+            ("host=db password = 's3 cr\\'et' dbname=custodian", "host=db password=*** dbname=custodian", "cr"),
+            ("host=db user=app dbname=custodian", "host=db user=app dbname=custodian", "-"),
+        ];
+        for (raw, shown, secret) in cases {
+            let url: DatabaseUrl = raw.parse().unwrap_or_else(|e| panic!("{raw}: {e}"));
+            assert_eq!(url.to_string(), shown, "{raw}");
+            assert!(!format!("{url:?}").contains(secret), "{raw}");
+            assert_eq!(url.expose(), raw, "the real URL is still there for the child process");
+        }
     }
 }

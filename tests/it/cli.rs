@@ -92,3 +92,33 @@ async fn service_commands_refuse_a_superuser_or_the_schema_owner_with_exit_2() {
     let run = custodian(db.url.expose(), &["balances"]);
     assert_eq!(run.code, 0, "custodian_app runs: {}", run.stderr);
 }
+
+#[tokio::test]
+async fn passwords_never_appear_in_status_logs_or_errors_in_any_url_form() {
+    let db = TestDb::new().await;
+    // Local development trusts custodian_app on loopback, so the (ignored) passwords still
+    // connect, and an unreachable port produces the error path.
+    let secret = "pa@ss:w/rd";
+    let encoded = "pa%40ss%3Aw%2Frd";
+    let name = &db.name;
+    let forms = [
+        format!("postgres://custodian_app:{encoded}@127.0.0.1:5432/{name}"),
+        format!("host=127.0.0.1 port=5432 user=custodian_app password='{secret}' dbname={name}"),
+        format!("postgres://custodian_app@127.0.0.1:5432/{name}?password={encoded}"),
+        format!("postgres://custodian_app:{encoded}@127.0.0.1:1/{name}"),
+        format!("host=127.0.0.1 port=1 user=custodian_app password='{secret}' dbname={name}"),
+    ];
+    for url in &forms {
+        for args in [&["status"][..], &["status", "--json"], &["balances"]] {
+            let run = custodian_env(&[("CUSTODIAN_DATABASE_URL", url), ("CUSTODIAN_LOG", "debug")], args);
+            let printed = format!("{}{}", run.stdout, run.stderr);
+            for leaked in [secret, encoded, "pa@ss", "pa%40ss"] {
+                assert!(!printed.contains(leaked), "{args:?} with {url} printed {leaked:?}:\n{printed}");
+            }
+        }
+        let reachable = !url.contains(":1/") && !url.contains("port=1 ");
+        let status = custodian_env(&[("CUSTODIAN_DATABASE_URL", url)], &["status", "--json"]);
+        assert_eq!(status.json()["database"]["reachable"], reachable, "{url}: {}", status.stdout);
+        assert!(status.json()["database"]["url"].as_str().unwrap().contains("***"), "{}", status.stdout);
+    }
+}
