@@ -100,6 +100,18 @@ pub struct ApiConfig {
     pub requests_per_second: Option<u32>,
     /// Burst allowed per token.
     pub burst: Option<u32>,
+    /// Requests per second allowed per peer address, checked before any database work.
+    pub peer_requests_per_second: Option<u32>,
+    /// Burst allowed per peer address.
+    pub peer_burst: Option<u32>,
+    /// Calls handled at once across all connections.
+    pub max_concurrent_requests: Option<usize>,
+    /// How long one call may take, milliseconds.
+    pub request_timeout_ms: Option<u64>,
+    /// The API's own connections (never shared with the scanners or the worker).
+    pub pool_size: Option<usize>,
+    /// How long a call waits for a free connection before `UNAVAILABLE`, milliseconds.
+    pub pool_timeout_ms: Option<u64>,
 }
 
 /// `[metrics]`.

@@ -48,6 +48,31 @@ pub struct ApiConfig {
     pub requests_per_second: u32,
     /// Requests a token may make at once before the sustained rate applies (at least 1).
     pub burst: u32,
+    /// Requests per second each peer address may make, sustained, checked before any database
+    /// work (at least 1).
+    pub peer_requests_per_second: u32,
+    /// Requests a peer may make at once (at least 1).
+    pub peer_burst: u32,
+    /// Calls the server handles at once, across all connections; more wait.
+    pub max_concurrent_requests: usize,
+    /// How long one call may take before it is answered `CANCELLED`/`DEADLINE_EXCEEDED`.
+    pub request_timeout: std::time::Duration,
+}
+
+impl ApiConfig {
+    /// The defaults of `[api]` (see `custodian.example.toml`) with these deposit keys.
+    pub fn with_defaults(deposit_keys: HashMap<Chain, DepositKey>, btc_network: BtcNetwork) -> ApiConfig {
+        ApiConfig {
+            deposit_keys,
+            btc_network,
+            requests_per_second: 50,
+            burst: 100,
+            peer_requests_per_second: 200,
+            peer_burst: 400,
+            max_concurrent_requests: 256,
+            request_timeout: std::time::Duration::from_secs(30),
+        }
+    }
 }
 
 /// Why the API could not be served.
@@ -63,11 +88,19 @@ pub enum ApiError {
 
 impl ApiConfig {
     fn validate(&self) -> Result<(), ApiError> {
-        if self.requests_per_second == 0 || self.burst == 0 {
+        if self.requests_per_second == 0
+            || self.burst == 0
+            || self.peer_requests_per_second == 0
+            || self.peer_burst == 0
+        {
             return Err(ApiError::Config(format!(
-                "the rate limit must allow at least 1 request per second and a burst of 1 (got {} per second, burst {})",
-                self.requests_per_second, self.burst
+                "the rate limits must allow at least 1 request per second and a burst of 1 (got {} per second, burst \
+                 {} per token; {} per second, burst {} per peer)",
+                self.requests_per_second, self.burst, self.peer_requests_per_second, self.peer_burst
             )));
+        }
+        if self.max_concurrent_requests == 0 || self.request_timeout.is_zero() {
+            return Err(ApiError::Config("max_concurrent_requests and request_timeout_ms must be positive".into()));
         }
         for (chain, key) in &self.deposit_keys {
             if key.chain() != *chain {
@@ -113,6 +146,9 @@ impl State {
 /// Serves the API on `listener` until `shutdown` resolves; in-flight requests finish first.
 /// Open event streams end with `UNAVAILABLE` when shutdown begins, so clients resume elsewhere
 /// instead of holding the server up.
+///
+/// `pool` should be the API's own: a flood of calls then waits for its connections (and times out
+/// with `UNAVAILABLE`) without ever taking one the scanners or the worker need.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     pool: Pool,
@@ -121,8 +157,12 @@ pub async fn serve(
 ) -> Result<(), ApiError> {
     config.validate()?;
     let (stop, stopping) = watch::channel(false);
+    let rates = auth::Rates {
+        token: (config.requests_per_second, config.burst),
+        peer: (config.peer_requests_per_second, config.peer_burst),
+    };
     let state = Arc::new(State {
-        auth: auth::Authenticator::new(pool.clone(), config.requests_per_second, config.burst),
+        auth: auth::Authenticator::new(pool.clone(), rates),
         pool,
         deposit_keys: config.deposit_keys,
         stopping,
@@ -130,13 +170,18 @@ pub async fn serve(
     if let Ok(address) = listener.local_addr() {
         tracing::info!(%address, "serving the gRPC API");
     }
+    let (begun, mut shutdown_begun) = watch::channel(false);
     let signal = async move {
         shutdown.await;
         tracing::info!("shutting down the gRPC API: finishing in-flight requests");
         // Nobody listening (no open stream) is fine.
         let _ = stop.send(true);
+        let _ = begun.send(true);
     };
-    tonic::transport::Server::builder()
+    let server = tonic::transport::Server::builder()
+        .timeout(config.request_timeout)
+        .concurrency_limit_per_connection(config.max_concurrent_requests)
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(config.max_concurrent_requests))
         .add_service(pb::health_server::HealthServer::new(services::health::HealthService::new(state.clone())))
         .add_service(pb::accounts_server::AccountsServer::new(services::accounts::AccountsService::new(state.clone())))
         .add_service(pb::withdrawals_server::WithdrawalsServer::new(services::withdrawals::WithdrawalsService::new(
@@ -144,7 +189,20 @@ pub async fn serve(
         )))
         .add_service(pb::audit_server::AuditServer::new(services::audit::AuditService::new(state.clone())))
         .add_service(pb::admin_server::AdminServer::new(services::admin::AdminService::new(state)))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), signal)
-        .await?;
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), signal);
+    // A client that never answers the graceful goodbye cannot hold the process up: after the
+    // grace period its connection is dropped. Every write is one library transaction, committed
+    // whole or not at all, so nothing is left half done.
+    let deadline = async {
+        let _ = shutdown_begun.wait_for(|begun| *begun).await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = server => served?,
+        () = deadline => tracing::warn!(grace = ?SHUTDOWN_GRACE, "closing the gRPC connections still open after the grace period"),
+    }
     Ok(())
 }
+
+/// How long in-flight calls and open connections get to finish once shutdown begins.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);

@@ -26,9 +26,30 @@ fn describe(error: &tokio_postgres::Error) -> String {
     }
 }
 
-/// A database error met while `doing` something.
+/// How long a client is told to wait before retrying a transient failure.
+const RETRY_AFTER_MS: u64 = 1_000;
+
+/// An id for one logged failure: the client is told the id, the log holds the text (which may
+/// name tables, constraints or values the client has no business seeing).
+fn error_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{:x}-{n:x}", since_epoch.as_secs())
+}
+
+/// `UNAVAILABLE` with the retry hint in the message and in `retry-after-ms` metadata.
+fn retry_later(message: String) -> Status {
+    let mut status = Status::unavailable(format!("{message}; retry in {RETRY_AFTER_MS} ms"));
+    status.metadata_mut().insert("retry-after-ms", RETRY_AFTER_MS.into());
+    status
+}
+
+/// A database error met while `doing` something. Its text is logged under an id; the client gets
+/// the id.
 pub(crate) fn database(doing: &str, source: &tokio_postgres::Error) -> Status {
     let error = describe(source);
+    let id = error_id();
     let transient = match source.as_db_error() {
         // No answer from the server: the connection broke or timed out. (A column type that does
         // not match the code lands here too; every query's types are exercised by the tests.)
@@ -36,18 +57,21 @@ pub(crate) fn database(doing: &str, source: &tokio_postgres::Error) -> Status {
         Some(db) => TRANSIENT_SQLSTATE_CLASSES.iter().any(|class| db.code().code().starts_with(class)),
     };
     if transient {
-        tracing::warn!(doing, %error, "database unavailable");
-        Status::unavailable(format!("the database is unavailable while {doing}; retry later ({error})"))
+        tracing::warn!(error_id = %id, doing, %error, "database unavailable");
+        retry_later(format!("the database is unavailable while {doing} (error id {id})"))
     } else {
-        tracing::error!(doing, %error, "database refused a statement");
-        Status::internal(format!("database error while {doing}: {error}"))
+        tracing::error!(error_id = %id, doing, %error, "database refused a statement");
+        Status::internal(format!("database error while {doing} (error id {id})"))
     }
 }
 
-/// No connection could be taken from the pool.
+/// No connection could be taken from the pool in time: the API's connections are all busy, or
+/// the database does not answer.
 pub(crate) fn pool(error: &deadpool_postgres::PoolError) -> Status {
-    tracing::warn!(%error, "no database connection");
-    Status::unavailable(format!("the database is unavailable; retry later ({error})"))
+    let id = error_id();
+    tracing::warn!(error_id = %id, %error, "no database connection");
+    metrics::counter!("custodian_api_pool_timeouts_total").increment(1);
+    retry_later(format!("no database connection is free (error id {id})"))
 }
 
 /// A withdrawal request's refusal.
@@ -74,8 +98,9 @@ pub(crate) fn action(error: ActionError) -> Status {
         // The withdrawals crate keeps only the message: retrying is the safe answer, and the
         // action is idempotent.
         ActionError::Database(message) => {
-            tracing::warn!(%message, "database error in a withdrawal action");
-            Status::unavailable(format!("the database failed; retry later ({message})"))
+            let id = error_id();
+            tracing::warn!(error_id = %id, %message, "database error in a withdrawal action");
+            retry_later(format!("the database failed (error id {id})"))
         }
     }
 }

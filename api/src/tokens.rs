@@ -151,13 +151,9 @@ const ANY_ADMIN: &str = "select exists (select 1 from api_token where revoked_at
 
 const TOKEN_EXISTS: &str = "select 1 from api_token where name = $1";
 
-/// Every active token. Tokens are issued by operators to the services that call the API, a few
-/// dozen at most, so reading them all per request is cheap, and it lets the comparison below run
-/// over every hash without an early exit.
-const ACTIVE_TOKENS: &str = "select id, name, token_hash, scopes from api_token where revoked_at is null order by id";
-
-/// The name of a revoked token with this hash, to say so instead of "unknown".
-const REVOKED_TOKEN: &str = "select name from api_token where token_hash = $1 and revoked_at is not null";
+/// Every token with whether it is revoked (see [`TokenSet`]).
+const ALL_TOKENS: &str =
+    "select id, name, token_hash, scopes, revoked_at is not null as revoked from api_token order by id";
 
 fn valid_name(name: &str) -> bool {
     (1..=MAX_NAME_LEN).contains(&name.len())
@@ -314,33 +310,70 @@ impl StoredToken {
     }
 }
 
+/// Every token, active and revoked, as read at one moment: what the server checks presented
+/// tokens against. Tokens are issued by operators to the services that call the API, a few dozen
+/// at most, so reading them all is cheap, and a presented token costs no query at all while the
+/// snapshot is fresh (see `auth`'s cache).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TokenSet {
+    active: Vec<([u8; 32], StoredToken)>,
+    revoked: Vec<([u8; 32], String)>,
+}
+
+impl TokenSet {
+    /// Reads every token.
+    pub(crate) async fn load<C: GenericClient>(client: &C) -> Result<TokenSet, tokio_postgres::Error> {
+        let mut set = TokenSet::default();
+        for row in client.query(ALL_TOKENS, &[]).await? {
+            let stored: &[u8] = row.get(2);
+            let hash: [u8; 32] = stored.try_into().expect("BUG: token_hash is 32 bytes, checked by the table");
+            let name: String = row.get(1);
+            if row.get::<_, bool>(4) {
+                set.revoked.push((hash, name));
+            } else {
+                let scopes: Vec<String> = row.get(3);
+                let scopes =
+                    scopes.iter().map(|s| s.parse().expect("BUG: api_token.scopes are checked by the table")).collect();
+                set.active.push((hash, StoredToken { id: row.get(0), name, scopes }));
+            }
+        }
+        Ok(set)
+    }
+
+    /// What `token` is. `None` when it does not have the shape of a token at all.
+    pub(crate) fn present(&self, token: &str) -> Option<Presented> {
+        let presented = hash(&decode(token)?);
+        let mut found = None;
+        for (stored, token) in &self.active {
+            // No early exit: every active hash is compared whichever matches.
+            if constant_time_eq(stored, &presented) {
+                found = Some(token.clone());
+            }
+        }
+        if let Some(token) = found {
+            return Some(Presented::Active(token));
+        }
+        Some(match self.revoked.iter().find(|(stored, _)| *stored == presented) {
+            Some((_, name)) => Presented::Revoked { name: name.clone() },
+            None => Presented::Unknown,
+        })
+    }
+
+    /// Whether the token with row id `id` is still active.
+    pub(crate) fn is_active(&self, id: i64) -> bool {
+        self.active.iter().any(|(_, token)| token.id == id)
+    }
+}
+
 /// Looks up a presented token. `None` when it does not have the shape of a token at all.
 pub(crate) async fn authenticate<C: GenericClient>(
     client: &C,
     token: &str,
 ) -> Result<Option<Presented>, tokio_postgres::Error> {
-    let Some(bytes) = decode(token) else { return Ok(None) };
-    let presented = hash(&bytes);
-    let mut found = None;
-    for row in client.query(ACTIVE_TOKENS, &[]).await? {
-        let stored: &[u8] = row.get(2);
-        let stored: &[u8; 32] = stored.try_into().expect("BUG: token_hash is 32 bytes, checked by the table");
-        // No early exit: every active hash is compared whichever matches.
-        if constant_time_eq(stored, &presented) {
-            let scopes: Vec<String> = row.get(3);
-            let scopes =
-                scopes.iter().map(|s| s.parse().expect("BUG: api_token.scopes are checked by the table")).collect();
-            found = Some(StoredToken { id: row.get(0), name: row.get(1), scopes });
-        }
+    if decode(token).is_none() {
+        return Ok(None);
     }
-    if let Some(token) = found {
-        return Ok(Some(Presented::Active(token)));
-    }
-    let revoked = client.query_opt(REVOKED_TOKEN, &[&presented.as_slice()]).await?;
-    Ok(Some(match revoked {
-        Some(row) => Presented::Revoked { name: row.get(0) },
-        None => Presented::Unknown,
-    }))
+    Ok(TokenSet::load(client).await?.present(token))
 }
 
 #[cfg(test)]

@@ -26,6 +26,11 @@ use crate::cli::WorkerArgs;
 use crate::exit::{invalid, Exit};
 use crate::settings::Settings;
 
+/// The API's own connections by default ([api] pool_size).
+const API_POOL_SIZE: usize = 8;
+/// How long an API call waits for one of them by default ([api] pool_timeout_ms).
+const API_POOL_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often projection gauges (withdrawals per state, paused lanes) are refreshed.
 const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -62,12 +67,25 @@ pub async fn run(
     let grpc = bind("gRPC", grpc_listen.or(settings.file.api.listen.as_deref()).unwrap_or("127.0.0.1:50051")).await?;
     let metrics =
         bind("metrics", metrics_listen.or(settings.file.metrics.listen.as_deref()).unwrap_or("127.0.0.1:9100")).await?;
+    let api = &settings.file.api;
+    let defaults = custodian_api::ApiConfig::with_defaults(deposit_keys(settings)?, settings.btc_network);
     let api_config = custodian_api::ApiConfig {
-        deposit_keys: deposit_keys(settings)?,
-        btc_network: settings.btc_network,
-        requests_per_second: settings.file.api.requests_per_second.unwrap_or(50),
-        burst: settings.file.api.burst.unwrap_or(100),
+        requests_per_second: api.requests_per_second.unwrap_or(defaults.requests_per_second),
+        burst: api.burst.unwrap_or(defaults.burst),
+        peer_requests_per_second: api.peer_requests_per_second.unwrap_or(defaults.peer_requests_per_second),
+        peer_burst: api.peer_burst.unwrap_or(defaults.peer_burst),
+        max_concurrent_requests: api.max_concurrent_requests.unwrap_or(defaults.max_concurrent_requests),
+        request_timeout: api.request_timeout_ms.map_or(defaults.request_timeout, Duration::from_millis),
+        ..defaults
     };
+    // The API's own connections: no flood of calls can take one the scanners or the worker need.
+    let api_pool = custodian_store::pool::connect_with(
+        &settings.database_url,
+        api.pool_size.unwrap_or(API_POOL_SIZE),
+        api.pool_timeout_ms.map_or(API_POOL_TIMEOUT, Duration::from_millis),
+    )
+    .await
+    .context("opening the API's connections")?;
     // Printed so scripts and tests can find ports chosen by the system (":0").
     println!("grpc listening on {}", grpc.local_addr()?);
     println!("metrics listening on {}", metrics.local_addr()?);
@@ -104,7 +122,9 @@ pub async fn run(
         let _ = api_stopped.wait_for(|stop| *stop).await;
     };
     tasks.spawn(async move {
-        custodian_api::serve(grpc, pool, api_config, api_shutdown).await.map_err(|e| anyhow::anyhow!("gRPC API: {e}"))
+        custodian_api::serve(grpc, api_pool, api_config, api_shutdown)
+            .await
+            .map_err(|e| anyhow::anyhow!("gRPC API: {e}"))
     });
 
     let mut failure = None;

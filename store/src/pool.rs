@@ -16,6 +16,13 @@ pub const DEFAULT_MIGRATE_DATABASE_URL: &str = "postgres://custodian_owner@127.0
 /// Connections per process. Each worker holds at most one at a time; the API shares the rest.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
+/// How long a caller waits for a free connection before the checkout fails (the API answers
+/// `UNAVAILABLE` with a retry hint; a scanner or the worker retries its step).
+pub const DEFAULT_CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long opening or re-checking one connection may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A parsed PostgreSQL URL. Its `Debug` and `Display` hide the password.
 #[derive(Clone)]
 pub struct DatabaseUrl {
@@ -187,14 +194,30 @@ fn mask_key_values(raw: &str) -> String {
     out
 }
 
-/// Builds a pool of at most `max_size` connections and proves it works by taking one.
+/// Builds a pool of at most `max_size` connections and proves it works by taking one. A checkout
+/// waits at most [`DEFAULT_CHECKOUT_TIMEOUT`].
 pub async fn connect(url: &DatabaseUrl, max_size: usize) -> Result<Pool, PoolError> {
+    connect_with(url, max_size, DEFAULT_CHECKOUT_TIMEOUT).await
+}
+
+/// [`connect`] with checkouts that wait at most `checkout_timeout` for a free connection.
+pub async fn connect_with(
+    url: &DatabaseUrl,
+    max_size: usize,
+    checkout_timeout: std::time::Duration,
+) -> Result<Pool, PoolError> {
     let manager = deadpool_postgres::Manager::from_config(
         url.config.clone(),
         tokio_postgres::NoTls,
         deadpool_postgres::ManagerConfig { recycling_method: deadpool_postgres::RecyclingMethod::Fast },
     );
-    let pool = Pool::builder(manager).max_size(max_size).runtime(deadpool_postgres::Runtime::Tokio1).build()?;
+    let pool = Pool::builder(manager)
+        .max_size(max_size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(checkout_timeout))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .recycle_timeout(Some(CONNECT_TIMEOUT))
+        .build()?;
     drop(pool.get().await.map_err(|source| PoolError::Connect { url: url.to_string(), source })?);
     Ok(pool)
 }

@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use custodian_testkit::{eventually, Anvil, TestDb};
+use futures::StreamExt;
 use serde_json::json;
 
 use crate::harness::custodian;
@@ -21,6 +22,7 @@ struct Served {
     child: Child,
     stderr_log: std::path::PathBuf,
     metrics: String,
+    grpc: String,
 }
 
 impl Served {
@@ -44,15 +46,18 @@ impl Served {
             .spawn()
             .expect("starting custodian serve");
         let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let mut metrics = String::new();
+        let (mut metrics, mut grpc) = (String::new(), String::new());
         for _ in 0..2 {
             let line = lines.next().expect("serve prints its addresses").expect("utf-8");
             if let Some(address) = line.strip_prefix("metrics listening on ") {
                 metrics = address.to_owned();
             }
+            if let Some(address) = line.strip_prefix("grpc listening on ") {
+                grpc = address.to_owned();
+            }
         }
-        assert!(!metrics.is_empty());
-        Served { child, stderr_log, metrics }
+        assert!(!metrics.is_empty() && !grpc.is_empty());
+        Served { child, stderr_log, metrics, grpc }
     }
 
     fn terminate(mut self) -> (i32, String) {
@@ -66,9 +71,12 @@ impl Served {
     }
 }
 
+/// A configuration file readable by its owner only (it holds keys).
 fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
     let path = std::env::temp_dir().join(format!("custodian-{}-{name}.toml", std::process::id()));
     std::fs::write(&path, contents).expect("config");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
     path
 }
 
@@ -164,4 +172,104 @@ async fn a_configured_private_key_never_appears_in_logs_or_debug_output() {
     assert!(!printed.contains(&key[2..18]), "{printed}");
     let _ = h.rpc("eth_chainId", json!([])).await;
     let _ = (std::fs::remove_file(config), std::fs::remove_file(broken));
+}
+
+/// A gRPC channel to `address` whose connections come from `source` (any 127/8 address is
+/// loopback), so a test can be a different peer from the flood it runs beside.
+async fn channel_from(source: &'static str, address: &str) -> tonic::transport::Channel {
+    let target: std::net::SocketAddr = address.parse().expect("an address");
+    tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .expect("a URI")
+        .connect_with_connector(tower::service_fn(move |_| async move {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(format!("{source}:0").parse().expect("a source address"))?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(socket.connect(target).await?))
+        }))
+        .await
+        .expect("connecting to the gRPC API")
+}
+
+fn bearer<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().expect("ascii"));
+    request
+}
+
+#[tokio::test]
+async fn a_flood_of_unknown_tokens_starves_neither_the_worker_nor_health_nor_valid_clients() {
+    use custodian_api::pb::accounts_client::AccountsClient;
+    use custodian_api::pb::GetAccountRequest;
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * 1_000_000_000_000_000_000).await;
+    let valid = crate::harness::token(&h.db, "wallet-app", &[custodian_api::tokens::Scope::Read]).await;
+    let config = config_file(
+        "flood",
+        &format!(
+            "[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\npeer_requests_per_second = 200\npeer_burst = 100\npool_size = 2\n",
+            LANE_KEYS[0], LANE_KEYS[1]
+        ),
+    );
+    let served = Served::start(&h.db, &h.anvil, &config, "flood");
+    for n in 0..6u64 {
+        h.request(alice, &format!("flood-{n}"), &format!("0x{:040x}", 0x8888_0000u64 + n), 1_000_000).await.unwrap();
+    }
+
+    // 1,000 calls with random, well-formed tokens nobody issued, 16 at a time, from 127.0.0.1.
+    let flood_channel = channel_from("127.0.0.1", &served.grpc).await;
+    let flood = tokio::spawn(async move {
+        let mut codes = std::collections::BTreeMap::new();
+        let mut calls = futures::stream::iter(0..1000u32)
+            .map(|n| {
+                let mut client = AccountsClient::new(flood_channel.clone());
+                async move {
+                    let made_up = format!("cust_{:064x}", (u128::from(n) << 64) | 0x5eed);
+                    client
+                        .get_account(bearer(
+                            &made_up,
+                            GetAccountRequest { key: Some(custodian_api::pb::get_account_request::Key::Id(1)) },
+                        ))
+                        .await
+                }
+            })
+            .buffer_unordered(16);
+        while let Some(answer) = calls.next().await {
+            let code = answer.expect_err("no made-up token is served").code();
+            *codes.entry(format!("{code:?}")).or_insert(0u32) += 1;
+        }
+        codes
+    });
+
+    // Meanwhile: a valid client on another address is served, /healthz answers, and the worker
+    // settles every withdrawal.
+    let mut client = AccountsClient::new(channel_from("127.0.0.2", &served.grpc).await);
+    let mut served_calls = 0;
+    while !flood.is_finished() {
+        let account = client
+            .get_account(bearer(
+                &valid,
+                GetAccountRequest { key: Some(custodian_api::pb::get_account_request::Key::Id(alice)) },
+            ))
+            .await;
+        assert_eq!(account.expect("the valid client is served during the flood").into_inner().id, alice);
+        assert!(http_get(&served.metrics, "/healthz").await.starts_with("HTTP/1.1 200"), "healthz answers");
+        served_calls += 1;
+    }
+    let codes = flood.await.unwrap();
+    assert_eq!(codes.values().sum::<u32>(), 1000);
+    assert!(
+        codes.keys().all(|code| code == "Unauthenticated" || code == "ResourceExhausted"),
+        "made-up tokens are refused or rate limited, never an error of ours: {codes:?}"
+    );
+    assert!(codes.contains_key("ResourceExhausted"), "the peer's rate limit applied: {codes:?}");
+    assert!(served_calls > 0);
+    eventually("the worker settles every withdrawal", Duration::from_secs(60), || async {
+        (h.count("select count(*) from withdrawal where state = 'confirmed'").await == 6).then_some(())
+    })
+    .await;
+    // terminate() blocks on the child: off this test's only thread, so the client's connections
+    // can still answer the server's graceful goodbye.
+    drop(client);
+    let (code, _) = tokio::task::spawn_blocking(move || served.terminate()).await.unwrap();
+    assert_eq!(code, 0);
+    let _ = std::fs::remove_file(config);
 }

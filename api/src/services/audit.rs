@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::auth::Caller;
 use crate::pb::{self, Event, StreamEventsRequest};
 use crate::tokens::Scope;
 use crate::{status, time, State};
@@ -58,6 +59,8 @@ struct Follower {
     state: Arc<State>,
     sender: mpsc::Sender<Result<Event, Status>>,
     stopping: watch::Receiver<bool>,
+    /// Whose token opened the stream: it ends once that token is revoked.
+    caller: Caller,
     /// The last position sent.
     after: Option<i64>,
     until_caught_up: bool,
@@ -108,6 +111,12 @@ impl Follower {
     /// stops or the database fails.
     async fn run(&mut self, mut page: Vec<Fact>) -> End {
         loop {
+            if let Err(status) = self.state.auth.still_active(&self.caller).await {
+                return End::Failed(Status::new(
+                    status.code(),
+                    format!("{}; {}", status.message(), self.resume_hint()),
+                ));
+            }
             let caught_up = page.len() < usize::try_from(PAGE_FACTS).expect("BUG: page size is positive");
             if let Err(end) = self.send(page).await {
                 return end;
@@ -138,7 +147,7 @@ impl pb::audit_server::Audit for AuditService {
         &self,
         request: Request<StreamEventsRequest>,
     ) -> Result<Response<Self::StreamEventsStream>, Status> {
-        self.state.auth.authorize(&request, Scope::Read, "StreamEvents").await?;
+        let caller = self.state.auth.authorize(&request, Scope::Read, "StreamEvents").await?;
         let message = request.into_inner();
         // The first page is read before the stream starts, so an unknown position or a database
         // failure is the call's status rather than a stream that ends at once.
@@ -153,6 +162,7 @@ impl pb::audit_server::Audit for AuditService {
             state: self.state.clone(),
             sender,
             stopping: self.state.stopping.clone(),
+            caller,
             after: message.after_position,
             until_caught_up: message.until_caught_up,
         };

@@ -1,5 +1,7 @@
 //! Bearer tokens: presence, validity, revocation, scopes and the per-token rate limit.
 
+use std::time::Duration;
+
 use bitcoin::hashes::{sha256, Hash};
 use custodian_api::pb;
 use custodian_api::tokens::{self, Scope, TokenError};
@@ -25,10 +27,16 @@ async fn calls_without_a_valid_token_are_unauthenticated() {
     let unknown = format!("cust_{}", "ab".repeat(32));
     assert_status(get(authed(&unknown, message())).await, Code::Unauthenticated, &["not a known API token"]);
 
-    // The token works until it is revoked, and not a moment after.
+    // The token works until it is revoked, and within a second of that no more.
     assert_status(get(authed(&token, message())).await, Code::NotFound, &["no account has id 1"]);
     assert!(tokens::revoke(&api.db.pool.get().await.unwrap(), "client", "ops").await.unwrap());
-    assert_status(get(authed(&token, message())).await, Code::Unauthenticated, &["\"client\"", "revoked"]);
+    let revoked_at = std::time::Instant::now();
+    let refused = custodian_testkit::eventually("the revocation to take effect", Duration::from_secs(1), || async {
+        get(authed(&token, message())).await.err().filter(|status| status.code() == Code::Unauthenticated)
+    })
+    .await;
+    assert!(revoked_at.elapsed() < Duration::from_secs(1));
+    assert_status(Err::<(), _>(refused), Code::Unauthenticated, &["\"client\"", "revoked"]);
 
     // Health needs no token.
     let health = api.health().check(pb::CheckRequest {}).await.expect("health check");
@@ -229,4 +237,28 @@ async fn tokens_are_stored_hashed_and_revoked_not_deleted() {
         assert!(message.contains(expected), "{statement}: {refused:?}");
     }
     assert_eq!(client.query_one("select count(*) from api_token", &[]).await.unwrap().get::<_, i64>(0), 1);
+}
+
+#[tokio::test]
+async fn a_busy_pool_answers_unavailable_with_a_retry_hint_and_no_database_text() {
+    let db = custodian_testkit::TestDb::new().await;
+    let own = custodian_store::pool::connect_with(&db.url, 1, Duration::from_millis(200)).await.unwrap();
+    let api = Api::start_on_pool(db, own.clone(), config()).await;
+    let token = api.token("client", &[Scope::Read]).await;
+    let get = |token: &str| {
+        let mut accounts = api.accounts();
+        let request = authed(token, pb::GetAccountRequest { key: Some(pb::get_account_request::Key::Id(1)) });
+        async move { accounts.get_account(request).await }
+    };
+    assert_status(get(&token).await, Code::NotFound, &["no account has id 1"]);
+    // Every API connection is taken (a flood, a slow query): the call waits its checkout timeout.
+    let held = own.get().await.unwrap();
+    let started = std::time::Instant::now();
+    let busy = get(&token).await.expect_err("no connection is free");
+    assert_eq!(busy.code(), Code::Unavailable, "{busy:?}");
+    assert!(busy.message().contains("retry in 1000 ms") && busy.message().contains("error id"), "{}", busy.message());
+    assert_eq!(busy.metadata().get("retry-after-ms").and_then(|v| v.to_str().ok()), Some("1000"));
+    assert!(started.elapsed() < Duration::from_secs(2), "the checkout timed out, it did not hang");
+    drop(held);
+    assert_status(get(&token).await, Code::NotFound, &["no account has id 1"]);
 }

@@ -175,3 +175,39 @@ async fn shutdown_ends_an_open_stream_with_where_to_resume() {
     assert!(ended.message().contains("shutting down"), "{ended:?}");
     assert!(ended.message().contains(&format!("after_position {last}")), "{ended:?}");
 }
+
+#[tokio::test]
+async fn a_revoked_tokens_open_stream_ends_within_a_second() {
+    let api = Api::start().await;
+    let root = api.root_token().await;
+    let auditor = api.token("auditor", &[custodian_api::tokens::Scope::Read]).await;
+    let mut stream = open(&api, &auditor, None, false).await;
+    // the stream is open and following (the root token's creation is its first fact)
+    assert_eq!(next(&mut stream).await.kind, "operator_token_created");
+    assert_eq!(next(&mut stream).await.kind, "operator_token_created");
+    custodian_api::tokens::revoke(&api.db.pool.get().await.unwrap(), "auditor", "root").await.unwrap();
+    let revoked_at = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended without saying why"),
+                Err(status) => return status,
+            }
+        }
+    })
+    .await
+    .expect("the stream ends");
+    let took = revoked_at.elapsed();
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(ended.message().contains("revoked") && ended.message().contains("resume"), "{}", ended.message());
+    assert!(took < Duration::from_secs(1), "ended {took:?} after the revocation");
+    // and the token opens nothing any more, while others still do
+    let refused = api.audit().stream_events(authed(&auditor, pb::StreamEventsRequest::default())).await;
+    assert_status(refused, Code::Unauthenticated, &["revoked"]);
+    assert!(api
+        .audit()
+        .stream_events(authed(&root, pb::StreamEventsRequest { after_position: None, until_caught_up: true }))
+        .await
+        .is_ok());
+}

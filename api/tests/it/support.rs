@@ -61,10 +61,11 @@ pub fn eth_address_at(xpub: &Xpub, index: u32) -> String {
 pub fn config() -> ApiConfig {
     let key = EthDepositKey::parse(&dev_eth_xpub().to_string()).expect("a valid account xpub");
     ApiConfig {
-        deposit_keys: HashMap::from([(Chain::Eth, DepositKey::from(key))]),
-        btc_network: BtcNetwork::Regtest,
         requests_per_second: 100_000,
         burst: 100_000,
+        peer_requests_per_second: 100_000,
+        peer_burst: 100_000,
+        ..ApiConfig::with_defaults(HashMap::from([(Chain::Eth, DepositKey::from(key))]), BtcNetwork::Regtest)
     }
 }
 
@@ -89,10 +90,16 @@ impl Api {
 
     /// Starts the API over `db`.
     pub async fn start_on(db: TestDb, config: ApiConfig) -> Api {
+        let pool = db.pool.clone();
+        Api::start_on_pool(db, pool, config).await
+    }
+
+    /// Starts the API over `db`, with `pool` as the API's own connections.
+    pub async fn start_on_pool(db: TestDb, pool: custodian_store::Pool, config: ApiConfig) -> Api {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a free port");
         let address = listener.local_addr().expect("bound address");
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(serve(listener, db.pool.clone(), config, async move {
+        let server = tokio::spawn(serve(listener, pool, config, async move {
             let _ = stopped.await;
         }));
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
