@@ -112,6 +112,12 @@ pub struct ApiConfig {
     pub pool_size: Option<usize>,
     /// How long a call waits for a free connection before `UNAVAILABLE`, milliseconds.
     pub pool_timeout_ms: Option<u64>,
+    /// PEM certificate chain of the gRPC listener (with `tls_key`: TLS).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of the gRPC listener, readable by its owner only.
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA that client certificates must chain to (clients must then present one).
+    pub client_ca: Option<PathBuf>,
 }
 
 /// `[metrics]`.

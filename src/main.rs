@@ -17,6 +17,9 @@ fn main() -> std::process::ExitCode {
         eprintln!("error: could not disable core dumps: {e}");
         return exit::Exit::Operational.into();
     }
+    // One TLS implementation for the whole process (PostgreSQL, gRPC, https node URLs): rustls
+    // with ring. Installing it twice is harmless; it fails only if another was installed first.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = cli::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

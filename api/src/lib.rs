@@ -57,6 +57,28 @@ pub struct ApiConfig {
     pub max_concurrent_requests: usize,
     /// How long one call may take before it is answered `CANCELLED`/`DEADLINE_EXCEEDED`.
     pub request_timeout: std::time::Duration,
+    /// TLS for the listener; `None` serves plaintext (warned about off loopback).
+    pub tls: Option<ServerTls>,
+}
+
+/// The server's certificate and key, and optionally the CA client certificates must chain to.
+#[derive(Clone)]
+pub struct ServerTls {
+    /// PEM certificate chain.
+    pub cert_pem: Vec<u8>,
+    /// PEM private key.
+    pub key_pem: Vec<u8>,
+    /// PEM CA: when set, every client must present a certificate it signed.
+    pub client_ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("key_pem", &"(not shown)")
+            .field("client_certificates_required", &self.client_ca_pem.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ApiConfig {
@@ -71,6 +93,7 @@ impl ApiConfig {
             peer_burst: 400,
             max_concurrent_requests: 256,
             request_timeout: std::time::Duration::from_secs(30),
+            tls: None,
         }
     }
 }
@@ -168,7 +191,25 @@ pub async fn serve(
         stopping,
     });
     if let Ok(address) = listener.local_addr() {
-        tracing::info!(%address, "serving the gRPC API");
+        match (&config.tls, address.ip().is_loopback()) {
+            (Some(tls), _) => {
+                tracing::info!(%address, client_certificates = tls.client_ca_pem.is_some(), "serving the gRPC API over TLS")
+            }
+            (None, true) => tracing::info!(%address, "serving the gRPC API in plaintext on loopback"),
+            (None, false) => tracing::warn!(
+                %address,
+                "serving the gRPC API in PLAINTEXT beyond loopback: set [api] tls_cert and tls_key"
+            ),
+        }
+    }
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        let mut server_tls = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem));
+        if let Some(ca) = &tls.client_ca_pem {
+            server_tls = server_tls.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+        }
+        builder = builder.tls_config(server_tls)?;
     }
     let (begun, mut shutdown_begun) = watch::channel(false);
     let signal = async move {
@@ -178,7 +219,7 @@ pub async fn serve(
         let _ = stop.send(true);
         let _ = begun.send(true);
     };
-    let server = tonic::transport::Server::builder()
+    let server = builder
         .timeout(config.request_timeout)
         .concurrency_limit_per_connection(config.max_concurrent_requests)
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(config.max_concurrent_requests))

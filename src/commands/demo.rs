@@ -70,22 +70,17 @@ mod story {
         // The schema owner creates and migrates the database (it may create databases, nothing
         // more); the story then runs as the service's login, custodian_app.
         let owner = settings.migrate_database_url.with_dbname("postgres");
-        let (client, connection) =
-            owner.config().connect(tokio_postgres::NoTls).await.context("connecting to PostgreSQL as the owner")?;
-        tokio::spawn(connection);
+        let client = owner.connect_one().await.context("connecting to PostgreSQL as the owner")?;
         client.batch_execute("drop database if exists custodian_demo with (force)").await?;
         client.batch_execute("create database custodian_demo").await?;
-        let (mut client, connection) = settings
+        let mut client = settings
             .migrate_database_url
             .with_dbname("custodian_demo")
-            .config()
-            .connect(tokio_postgres::NoTls)
+            .connect_one()
             .await
             .context("connecting to custodian_demo as the owner")?;
-        let migrating = tokio::spawn(connection);
         migrate::run(&mut client).await?;
         drop(client);
-        let _ = migrating.await;
         let url = settings.database_url.with_dbname("custodian_demo");
         let pool = custodian_store::connect(&url, 8).await?;
         custodian_store::check_service_role(&pool.get().await?).await?;

@@ -48,6 +48,38 @@ fn deposit_keys(settings: &Settings) -> Result<HashMap<Chain, DepositKey>> {
     Ok(keys)
 }
 
+/// The gRPC listener's TLS from `[api] tls_cert` / `tls_key` / `client_ca`. The key file must be
+/// readable by its owner only, like hot-wallet key files.
+fn server_tls(api: &crate::config::ApiConfig) -> Result<Option<custodian_api::ServerTls>> {
+    let read = |path: &std::path::Path, what: &str| {
+        std::fs::read(path).map_err(|e| invalid(format!("[api] {what} {}: {e}", path.display())))
+    };
+    match (&api.tls_cert, &api.tls_key) {
+        (None, None) if api.client_ca.is_some() => Err(invalid("[api] client_ca needs tls_cert and tls_key")),
+        (None, None) => Ok(None),
+        (Some(cert), Some(key)) => {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(key)
+                .map_err(|e| invalid(format!("[api] tls_key {}: {e}", key.display())))?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                return Err(invalid(format!(
+                    "[api] tls_key {} is readable by other users (mode {:o}); chmod 600 it",
+                    key.display(),
+                    mode & 0o777
+                )));
+            }
+            Ok(Some(custodian_api::ServerTls {
+                cert_pem: read(cert, "tls_cert")?,
+                key_pem: read(key, "tls_key")?,
+                client_ca_pem: api.client_ca.as_deref().map(|ca| read(ca, "client_ca")).transpose()?,
+            }))
+        }
+        _ => Err(invalid("[api] tls_cert and tls_key go together")),
+    }
+}
+
 async fn bind(what: &str, address: &str) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(address)
         .await
@@ -76,8 +108,25 @@ pub async fn run(
         peer_burst: api.peer_burst.unwrap_or(defaults.peer_burst),
         max_concurrent_requests: api.max_concurrent_requests.unwrap_or(defaults.max_concurrent_requests),
         request_timeout: api.request_timeout_ms.map_or(defaults.request_timeout, Duration::from_millis),
+        tls: server_tls(&settings.file.api)?,
         ..defaults
     };
+    let mut warnings = Vec::new();
+    let grpc_address = grpc.local_addr()?;
+    if api_config.tls.is_none() && !grpc_address.ip().is_loopback() {
+        warnings.push(format!("the gRPC API listens in plaintext on {grpc_address}: set [api] tls_cert and tls_key"));
+    }
+    if !settings.database_url.is_loopback()
+        && settings.database_url.ssl_mode() != custodian_store::tls::SslMode::VerifyFull
+    {
+        warnings.push(format!(
+            "the database connection is not verified (sslmode={:?}): use sslmode=verify-full with sslrootcert",
+            settings.database_url.ssl_mode()
+        ));
+    }
+    for warning in &warnings {
+        tracing::warn!("{warning}");
+    }
     // The API's own connections: no flood of calls can take one the scanners or the worker need.
     let api_pool = custodian_store::pool::connect_with(
         &settings.database_url,
@@ -116,7 +165,7 @@ pub async fn run(
         tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone()));
     }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
-    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), stopped.clone()));
+    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(warnings), stopped.clone()));
     let mut api_stopped = stopped.clone();
     let api_shutdown = async move {
         let _ = api_stopped.wait_for(|stop| *stop).await;
@@ -201,6 +250,7 @@ async fn health(
     listener: tokio::net::TcpListener,
     pool: Pool,
     recorder: Arc<metrics_exporter_prometheus::PrometheusHandle>,
+    warnings: Arc<Vec<String>>,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<()> {
     loop {
@@ -208,7 +258,7 @@ async fn health(
             accepted = listener.accept() => accepted?,
             _ = stopped.wait_for(|stop| *stop) => return Ok(()),
         };
-        let (pool, recorder) = (pool.clone(), recorder.clone());
+        let (pool, recorder, warnings) = (pool.clone(), recorder.clone(), warnings.clone());
         tokio::spawn(async move {
             let mut buffer = [0u8; 1024];
             let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await;
@@ -218,7 +268,10 @@ async fn health(
             let (status, body) = match path {
                 "/metrics" => ("200 OK", recorder.render()),
                 "/healthz" => match pool.get().await {
-                    Ok(client) if client.query_one("select 1", &[]).await.is_ok() => ("200 OK", "ok\n".to_owned()),
+                    Ok(client) if client.query_one("select 1", &[]).await.is_ok() => {
+                        let notes: String = warnings.iter().map(|w| format!("warning: {w}\n")).collect();
+                        ("200 OK", format!("ok\n{notes}"))
+                    }
                     _ => ("503 Service Unavailable", "database unreachable\n".to_owned()),
                 },
                 _ => ("404 Not Found", "not found\n".to_owned()),

@@ -12,6 +12,7 @@ pub mod ownership;
 pub mod pipeline;
 pub mod pool;
 pub mod roles;
+pub mod tls;
 
 pub use events::{append_withdrawal_event, AppendError};
 pub use pipeline::Pipelined;

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::tls::{self, SslMode, TlsError};
+
 pub use deadpool_postgres::Pool;
 
 /// Used when neither `--database-url` nor `CUSTODIAN_DATABASE_URL` is given: the service's login
@@ -23,11 +25,14 @@ pub const DEFAULT_CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::f
 /// How long opening or re-checking one connection may take.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// A parsed PostgreSQL URL. Its `Debug` and `Display` hide the password.
+/// A parsed PostgreSQL URL. Its `Debug` and `Display` hide the password. `sslmode` and
+/// `sslrootcert` are honoured as libpq does (see [`crate::tls`]).
 #[derive(Clone)]
 pub struct DatabaseUrl {
     config: tokio_postgres::Config,
     raw: String,
+    ssl_mode: SslMode,
+    root_cert: Option<std::path::PathBuf>,
 }
 
 /// Why the pool could not be built or a connection not obtained.
@@ -44,6 +49,17 @@ pub enum PoolError {
     /// The pool could not be created.
     #[error("could not create the connection pool: {0}")]
     Build(#[from] deadpool_postgres::BuildError),
+    /// The TLS settings of the URL cannot work.
+    #[error("database TLS: {0}")]
+    Tls(#[from] TlsError),
+    /// One connection could not be opened.
+    #[error("could not connect to PostgreSQL at {url}: {source}")]
+    Open {
+        /// The URL with any password masked.
+        url: String,
+        /// The underlying error.
+        source: tokio_postgres::Error,
+    },
     /// No connection could be obtained (server down, wrong database, authentication).
     #[error("could not connect to PostgreSQL at {url}: {source}")]
     Connect {
@@ -64,6 +80,7 @@ impl DatabaseUrl {
     pub fn with_dbname(&self, dbname: &str) -> DatabaseUrl {
         let mut config = self.config.clone();
         config.dbname(dbname);
+        let (ssl_mode, root_cert) = (self.ssl_mode, self.root_cert.clone());
         let raw = match self.raw.rsplit_once('/') {
             Some((server, rest)) if !server.ends_with('/') => {
                 let query = rest.split_once('?').map(|(_, q)| format!("?{q}")).unwrap_or_default();
@@ -71,7 +88,38 @@ impl DatabaseUrl {
             }
             _ => format!("{}/{dbname}", self.raw.trim_end_matches('/')),
         };
-        DatabaseUrl { config, raw }
+        DatabaseUrl { config, raw, ssl_mode, root_cert }
+    }
+
+    /// How the connection is protected: the URL's `sslmode`, or `disable` on loopback and
+    /// `prefer` elsewhere when it gives none.
+    pub fn ssl_mode(&self) -> SslMode {
+        self.ssl_mode
+    }
+
+    /// Whether every host is this machine.
+    pub fn is_loopback(&self) -> bool {
+        tls::all_loopback(&self.config)
+    }
+
+    /// The TLS connector this URL's `sslmode` asks for.
+    pub fn tls_connector(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect, PoolError> {
+        Ok(tls::connector(self.ssl_mode, self.root_cert.as_deref())?)
+    }
+
+    /// One connection outside any pool, its connection task spawned.
+    pub async fn connect_one(&self) -> Result<tokio_postgres::Client, PoolError> {
+        let (client, connection) = self
+            .config
+            .connect(self.tls_connector()?)
+            .await
+            .map_err(|source| PoolError::Open { url: self.to_string(), source })?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("database connection ended: {e}");
+            }
+        });
+        Ok(client)
     }
 
     /// The full URL, password included, for handing to a child process.
@@ -107,10 +155,15 @@ impl FromStr for DatabaseUrl {
     type Err = PoolError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let config = s
+        let (rest, tls) = tls::split_tls_params(s)?;
+        let mut config = rest
             .parse::<tokio_postgres::Config>()
             .map_err(|source| PoolError::BadUrl { url: "(not shown: it did not parse)".to_owned(), source })?;
-        Ok(DatabaseUrl { config, raw: s.to_owned() })
+        let ssl_mode = tls.mode.unwrap_or(if tls::all_loopback(&config) { SslMode::Disable } else { SslMode::Prefer });
+        config.ssl_mode(ssl_mode.negotiation());
+        // A URL whose TLS cannot work is refused when parsed, not at the first connection.
+        tls::connector(ssl_mode, tls.root_cert.as_deref())?;
+        Ok(DatabaseUrl { config, raw: s.to_owned(), ssl_mode, root_cert: tls.root_cert })
     }
 }
 
@@ -208,7 +261,7 @@ pub async fn connect_with(
 ) -> Result<Pool, PoolError> {
     let manager = deadpool_postgres::Manager::from_config(
         url.config.clone(),
-        tokio_postgres::NoTls,
+        url.tls_connector()?,
         deadpool_postgres::ManagerConfig { recycling_method: deadpool_postgres::RecyclingMethod::Fast },
     );
     let pool = Pool::builder(manager)

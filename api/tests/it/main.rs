@@ -6,4 +6,5 @@ mod auth;
 mod end_to_end;
 mod events;
 mod support;
+mod tls;
 mod withdrawals;

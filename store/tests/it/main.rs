@@ -8,6 +8,7 @@ mod ledger;
 mod pipeline;
 mod privileges;
 mod schema;
+mod tls;
 
 use tokio_postgres::Client;
 
