@@ -146,6 +146,20 @@ ensure_postgres() {
     fi
     PGOPTIONS="-c client_min_messages=warning" pg_sql -f "$ROOT/scripts/roles.sql" >/dev/null
 
+    # TLS: the service and the tests connect with sslmode=verify-full where they ask for it;
+    # Debian's cluster serves its snakeoil certificate when ssl is on (the package's default).
+    if [ "$(pg_sql -c 'show ssl')" != on ]; then
+        if [ -r /etc/ssl/certs/ssl-cert-snakeoil.pem ]; then
+            log "turning on TLS in PostgreSQL with the snakeoil certificate"
+            pg_sql -c "alter system set ssl = on" \
+                -c "alter system set ssl_cert_file = '/etc/ssl/certs/ssl-cert-snakeoil.pem'" \
+                -c "alter system set ssl_key_file = '/etc/ssl/private/ssl-cert-snakeoil.key'" >/dev/null
+            pg_sql -c 'select pg_reload_conf()' >/dev/null
+        else
+            log "WARNING: PostgreSQL does not serve TLS and no snakeoil certificate exists (apt-get install ssl-cert)"
+        fi
+    fi
+
     # Friendly for plain `psql` as root: a superuser role named root.
     if [ "$(id -u)" -eq 0 ] && [ -z "$(pg_sql -c "select 1 from pg_roles where rolname='root'")" ]; then
         log "creating PostgreSQL superuser role root"

@@ -5,6 +5,7 @@ pub mod anvil;
 pub mod btcsim;
 pub mod db;
 pub mod fixtures;
+pub mod tls_proxy;
 
 pub use anvil::Anvil;
 pub use btcsim::BitcoinSim;

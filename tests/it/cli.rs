@@ -122,3 +122,70 @@ async fn passwords_never_appear_in_status_logs_or_errors_in_any_url_form() {
         assert!(status.json()["database"]["url"].as_str().unwrap().contains("***"), "{}", status.stdout);
     }
 }
+
+/// A CA and a certificate it signed for localhost, as PEM: (ca, cert, key).
+fn localhost_certificate() -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+// Two threads: the binary runs as a blocking child while the TLS fronts relay on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_node_urls_work_for_both_chains_when_their_ca_is_trusted() {
+    use custodian_testkit::tls_proxy::TlsProxy;
+    let db = TestDb::new().await;
+    let anvil = Anvil::spawn().await.unwrap();
+    let sim = custodian_testkit::BitcoinSim::start().await;
+    sim.mine_empty(2);
+    let (ca, cert, key) = localhost_certificate();
+    let eth = TlsProxy::start(([127, 0, 0, 1], anvil.port).into(), &cert, &key).await.unwrap();
+    let btc = TlsProxy::start(([127, 0, 0, 1], sim.port()).into(), &cert, &key).await.unwrap();
+    let dir = std::env::temp_dir();
+    let trusted = dir.join(format!("custodian-test-ca-{}.pem", std::process::id()));
+    let (other_ca, _, _) = localhost_certificate();
+    let untrusted = dir.join(format!("custodian-other-ca-{}.pem", std::process::id()));
+    std::fs::write(&trusted, ca).unwrap();
+    std::fs::write(&untrusted, other_ca).unwrap();
+    let eth_url = format!("https://localhost:{}", eth.port);
+    let btc_url = format!("https://localhost:{}", btc.port);
+    let scans: [(&str, Vec<&str>); 2] = [
+        ("eth", vec!["scan", "--chain", "eth", "--once", "--json", "--eth-rpc", &eth_url]),
+        (
+            "btc",
+            vec![
+                "scan",
+                "--chain",
+                "btc",
+                "--once",
+                "--json",
+                "--btc-rpc",
+                &btc_url,
+                "--btc-network",
+                "regtest",
+                "--btc-rpc-user",
+                sim.user(),
+                "--btc-rpc-password",
+                sim.password(),
+            ],
+        ),
+    ];
+    for (chain, args) in &scans {
+        let env = |ca: &std::path::Path| {
+            [("CUSTODIAN_DATABASE_URL", db.url.expose().to_owned()), ("SSL_CERT_FILE", ca.display().to_string())]
+        };
+        let refused = custodian_env(&env(&untrusted).each_ref().map(|(k, v)| (*k, v.as_str())), args);
+        assert_eq!(refused.code, 1, "{chain} over https with an untrusted certificate: {}", refused.stderr);
+        let scanned = custodian_env(&env(&trusted).each_ref().map(|(k, v)| (*k, v.as_str())), args);
+        assert_eq!(scanned.code, 0, "{chain} over https: {}", scanned.stderr);
+    }
+    let blocks: i64 =
+        db.pool.get().await.unwrap().query_one("select count(*) from chain_block", &[]).await.unwrap().get(0);
+    assert!(blocks >= 2, "both chains were read over TLS: {blocks} blocks");
+    let _ = (std::fs::remove_file(trusted), std::fs::remove_file(untrusted));
+}
