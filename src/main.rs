@@ -18,8 +18,8 @@ fn main() -> std::process::ExitCode {
         return exit::Exit::Operational.into();
     }
     // One TLS implementation for the whole process (PostgreSQL, gRPC, https node URLs): rustls
-    // with ring. Installing it twice is harmless; it fails only if another was installed first.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    // with ring.
+    custodian_store::tls::install_crypto_provider();
     let cli = cli::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -80,6 +80,7 @@ fn malformed(message: impl std::fmt::Display) -> ReadError {
 impl BtcReader {
     /// A reader for the node at `url` on `network`.
     pub fn new(url: &str, auth: BtcAuth, network: BtcNetwork) -> Result<BtcReader, ReadError> {
+        custodian_store::tls::install_crypto_provider();
         let http = reqwest::Client::builder().timeout(RPC_TIMEOUT).build().map_err(unavailable)?;
         Ok(BtcReader { http, url: url.to_owned(), auth, network })
     }

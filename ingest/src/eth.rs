@@ -30,6 +30,7 @@ pub struct EthReader {
 impl EthReader {
     /// A reader for the node at `url` (`http://…`).
     pub fn new(url: &str) -> Result<EthReader, ReadError> {
+        custodian_store::tls::install_crypto_provider();
         let url = url.parse().map_err(|e| ReadError::Unavailable {
             chain: Chain::Eth,
             message: format!("invalid Ethereum RPC URL: {e}"),

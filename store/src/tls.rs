@@ -19,6 +19,14 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
 
+/// Makes rustls with ring the process's TLS implementation, once: reqwest (the node clients) is
+/// built without a provider of its own so that only ring is compiled in. Every constructor of an
+/// HTTP client calls this, and so does `main`; calling it again changes nothing.
+pub fn install_crypto_provider() {
+    // Err means a provider is installed already, which is all this wants.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// `sslmode`, as libpq spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SslMode {

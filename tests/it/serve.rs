@@ -205,7 +205,7 @@ async fn a_flood_of_unknown_tokens_starves_neither_the_worker_nor_health_nor_val
     let config = config_file(
         "flood",
         &format!(
-            "[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\npeer_requests_per_second = 200\npeer_burst = 100\npool_size = 2\n",
+            "[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\npeer_requests_per_second = 20\npeer_burst = 20\npool_size = 2\n",
             LANE_KEYS[0], LANE_KEYS[1]
         ),
     );

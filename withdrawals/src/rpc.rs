@@ -82,6 +82,7 @@ pub struct EthNode {
 impl EthNode {
     /// The node at `url`.
     pub fn new(url: &str) -> Result<EthNode, NodeError> {
+        custodian_store::tls::install_crypto_provider();
         let url = url.parse().map_err(|e| NodeError::Transport(format!("invalid Ethereum RPC URL: {e}")))?;
         Ok(EthNode { client: RpcClient::new_http(url) })
     }
