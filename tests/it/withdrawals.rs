@@ -800,9 +800,15 @@ async fn four_eyes_through_the_cli_two_distinct_approvers_never_the_requester() 
     .await;
 
     // Through the API too: the requester's token is refused with PERMISSION_DENIED (api tests).
-    let events = crate::harness::custodian(&url, &["events", "--json"]);
-    assert_eq!(events.code, 0, "{}", events.stderr);
-    let events = events.json();
+    // A fact settles once every older transaction on the server has ended (parallel tests hold
+    // some open), so wait until the history holds the last decision.
+    let events = eventually("the history to settle", Duration::from_secs(30), || async {
+        let run = crate::harness::custodian(&url, &["events", "--json"]);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let events = run.json();
+        (principals_in(&events, "withdrawal_approved").len() == 2).then_some(events)
+    })
+    .await;
     assert_eq!(principals_in(&events, "withdrawal_requested"), ["wallet-app"]);
     assert_eq!(principals_in(&events, "withdrawal_approved"), ["dana", "erin"]);
     assert_eq!(principals_in(&events, "operator_limit_set"), ["ops"]);
@@ -841,4 +847,61 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id, "wallet-app").await.unwrap();
     let fourth = h.request(alice, "d-4", &destination(52), 5 * ETHER / 10).await.unwrap().withdrawal;
     assert_eq!(fourth.state, WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
+}
+
+#[tokio::test]
+async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let one_approver =
+        LimitChange { approval_limit: Some(Some(U256::from(ETHER))), approvals_required: Some(2), daily_limit: None };
+    limits::set(&mut h.db.pool.get().await.unwrap(), "ETH", &one_approver, "ops").await.unwrap();
+    let waiting = h.request(alice, "big", &destination(61), 2 * ETHER).await.unwrap().withdrawal;
+    assert_eq!(waiting.state, WithdrawalState::AwaitingApproval);
+    let cancelled = h.request(alice, "small", &destination(62), ETHER / 10).await.unwrap().withdrawal;
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), cancelled.id, "wallet-app").await.unwrap();
+    assert_eq!(h.state(cancelled.id).await, WithdrawalState::Cancelled);
+    // The service's own login may move the projection's state column; it must not get money out.
+    h.db.client()
+        .await
+        .batch_execute(&format!(
+            "update withdrawal set state = 'requested' where id in ({}, {})",
+            waiting.id, cancelled.id
+        ))
+        .await
+        .unwrap();
+    let report = h.worker(config(1)).pass().await.unwrap();
+    assert_eq!(report.signed, 0, "nothing is signed");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0);
+    assert_eq!(h.state(cancelled.id).await, WithdrawalState::Cancelled, "the stream still says cancelled");
+    let row: String =
+        h.db.pool
+            .get()
+            .await
+            .unwrap()
+            .query_one("select state from withdrawal where id = $1", &[&cancelled.id])
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(row, "cancelled", "a settled stream's row is put back as its events say");
+    for id in [waiting.id] {
+        let reason: Option<String> = h
+            .db
+            .pool
+            .get()
+            .await
+            .unwrap()
+            .query_opt(
+                "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get(0));
+        assert!(reason.as_deref().is_some_and(|r| r.contains("awaiting_approval")), "{id}: {reason:?}");
+    }
+    assert_eq!(h.balance(&destination(61)).await, U256::ZERO);
+    assert_eq!(h.balance(&destination(62)).await, U256::ZERO);
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    assert!(lanes.iter().any(|l| l.pause_reason.is_some()), "a lane paused: {lanes:?}");
 }

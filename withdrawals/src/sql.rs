@@ -51,7 +51,8 @@ on conflict (id) do update set state = excluded.state, from_address = excluded.f
     tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
     updated_at = now()";
 
-async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), tokio_postgres::Error> {
+/// Writes `w`, a fold of its stream, as the projection row.
+pub async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), tokio_postgres::Error> {
     let nonce = w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"));
     tx.execute(
         UPSERT,

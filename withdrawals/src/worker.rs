@@ -223,9 +223,10 @@ struct SignedBatch {
 }
 
 /// The lane's cursor (locked) and, in nonce order, the ready withdrawals still requested that no
-/// other worker holds (locked, skipping locked ones), each with its `requested` event: what is
-/// signed comes from the event, and the projection row must agree with it. The lane row comes
-/// back even when no withdrawal does (its withdrawal columns null).
+/// other worker holds (locked, skipping locked ones), each with its whole event stream: what is
+/// signed comes from the fold of the stream, which must be `requested` at the row's sequence, and
+/// the projection row must agree with it. The lane row comes back even when no withdrawal does
+/// (its withdrawal columns null).
 const LOCK_LANE_AND_WITHDRAWALS: &str = "
 with lane as (
     select next_nonce, paused_at is not null as paused from hot_wallet where chain = 'eth' and lane = $1 for update
@@ -235,9 +236,9 @@ with lane as (
      order by id for update skip locked
 )
 select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq,
-       requested.payload
+       (select array_agg(e.event_type order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id),
+       (select array_agg(e.payload order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id)
   from lane left join ready on true
-  left join withdrawal_event requested on requested.withdrawal_id = ready.id and requested.seq = 1
  order by ready.id";
 
 /// Every write of an allocation in one statement, so the batch costs the server one execution
@@ -524,7 +525,11 @@ impl Worker {
         }
         let mut gas = HashMap::new();
         for id in &candidates {
-            let w = sql::load(&client, *id).await?.expect("BUG: listed withdrawal has no events");
+            // A row without events is tampering: the allocation below reviews it.
+            let Some(w) = sql::load(&client, *id).await? else {
+                gas.insert(*id, TRANSFER_GAS);
+                continue;
+            };
             let (to, value, data) = payout_call(&w);
             if data.is_empty() {
                 gas.insert(*id, TRANSFER_GAS);
@@ -611,14 +616,48 @@ impl Worker {
                 destination: row.get(5),
                 amount: Amount::from_units(row.get::<_, U256>(6)),
             };
-            let payload: Option<serde_json::Value> = row.get(8);
-            let requested = payload.map(|p| sql::event_from_row("requested", &p));
-            let Some(WithdrawalEvent::Requested { account_id, asset, destination, amount, .. }) = requested else {
-                panic!("BUG: withdrawal {id} has a projection row but no requested event")
+            let types: Vec<String> = row.get::<_, Option<Vec<String>>>(8).unwrap_or_default();
+            let payloads: Vec<serde_json::Value> = row.get::<_, Option<Vec<serde_json::Value>>>(9).unwrap_or_default();
+            let stream: Result<Vec<WithdrawalEvent>, _> =
+                types.iter().zip(&payloads).map(|(t, p)| WithdrawalEvent::from_stored(t, p)).collect();
+            let folded = stream.ok().and_then(|events| Withdrawal::fold(id, &events));
+            let row_seq: i32 = row.get(7);
+            let Some(folded) = folded else {
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row has no readable event stream ({} events); nothing was signed",
+                        types.len()
+                    ),
+                ));
+                continue;
             };
-            let fact = PaidAs { account_id, asset, destination, amount };
+            if folded.state != WithdrawalState::Requested || folded.last_seq != row_seq {
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row says requested at event {row_seq}, its event stream says {} at event {}; \
+                         nothing was signed",
+                        folded.state.as_str(),
+                        folded.last_seq
+                    ),
+                ));
+                continue;
+            }
+            let fact = PaidAs {
+                account_id: folded.account_id,
+                asset: folded.asset,
+                destination: folded.destination,
+                amount: folded.amount,
+            };
             if fact != projected {
-                tampered.push((id, fact, projected));
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row does not match its requested event: the event pays {fact}, the row says \
+                         {projected}; nothing was signed"
+                    ),
+                ));
                 continue;
             }
             // Signed from the fact, which the projection matched.
@@ -706,19 +745,35 @@ impl Worker {
         Ok(signed)
     }
 
-    /// Each withdrawal whose projection disagrees with its `requested` event goes to
-    /// `needs_review` with both versions, and the lane pauses: nothing more leaves it until a
-    /// person has looked.
-    async fn review_tampered(&self, lane: &Lane, tampered: Vec<(i64, PaidAs, PaidAs)>) -> Result<(), WorkError> {
-        for (id, fact, projected) in tampered {
-            let reason = format!(
-                "the withdrawal row does not match its requested event: the event pays {fact}, the row says {projected}; \
-                 nothing was signed"
-            );
+    /// Each withdrawal whose projection disagrees with its event stream (what it pays, its state
+    /// or its sequence) goes to `needs_review` with both versions, and the lane pauses: nothing
+    /// more leaves it until a person has looked. A row without a readable stream cannot take an
+    /// event; it is alerted on and its lane pauses all the same.
+    async fn review_tampered(&self, lane: &Lane, tampered: Vec<(i64, String)>) -> Result<(), WorkError> {
+        for (id, reason) in tampered {
             tracing::error!(withdrawal = id, lane = %lane.lane, %reason, "ALERT: withdrawal projection tampered with");
             metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
-            self.record(id, |w| w.state == WithdrawalState::Requested, WithdrawalEvent::NeedsReview { reason }, &[])
-                .await?;
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
+                continue;
+            }
+            let events: Result<Vec<WithdrawalEvent>, _> = tx
+                .query("select event_type, payload from withdrawal_event where withdrawal_id = $1 order by seq", &[&id])
+                .await?
+                .iter()
+                .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
+                .collect();
+            let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
+            if !w.state.holds_funds() {
+                // Settled, cancelled or refused: its money is where its events put it. Put the
+                // row back as the stream says; there is nothing left for a person to decide.
+                sql::write_projection(&tx, &w).await?;
+                tx.commit().await?;
+            } else if w.state != WithdrawalState::NeedsReview {
+                sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
+                tx.commit().await?;
+            }
         }
         sql::pause_lane(&self.pool.get().await?, &lane.lane, "a withdrawal row did not match its requested event")
             .await?;
