@@ -133,8 +133,11 @@ pub async fn token_create(settings: &Settings, name: &str, scopes: &str) -> Resu
     // The first admin token is made by the operator at the database; every later one by a
     // principal holding `admin`.
     let by = if settings.token.is_none() && tokens::needs_bootstrap(&client).await? {
-        if !scopes.contains(&Scope::Admin) {
-            return Err(invalid("no admin token exists yet: the first token must have the admin scope"));
+        if scopes != [Scope::Admin] {
+            return Err(invalid(
+                "no admin token exists yet: the first token must have the admin scope and no other \
+                 (decisions need tokens of their own, made by it)",
+            ));
         }
         tokens::BOOTSTRAP_PRINCIPAL.to_owned()
     } else {

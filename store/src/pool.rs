@@ -142,8 +142,14 @@ impl DatabaseUrl {
             Some((scheme, rest)) => format!("{scheme}://{}", mask_url_rest(rest)),
             None => mask_key_values(&self.raw),
         };
+        // Checked against the decoded text too: the parser reads percent-escapes the masker
+        // does not (a password spelled with %2F, a key spelled pass%77ord).
+        let decoded = tls::percent_decode(&masked);
         match self.config.get_password() {
-            Some(password) if !password.is_empty() && masked.contains(&*String::from_utf8_lossy(password)) => {
+            Some(password)
+                if !password.is_empty()
+                    && [&masked, &decoded].iter().any(|shown| shown.contains(&*String::from_utf8_lossy(password))) =>
+            {
                 "(connection string not shown: it holds a password)".to_owned()
             }
             _ => masked,
@@ -179,10 +185,12 @@ impl fmt::Debug for DatabaseUrl {
     }
 }
 
-/// `user:password@hosts/db?params` with the password and any `password=` parameter masked.
+/// `user:password@hosts/db?params` with the password and any `password=` parameter masked. The
+/// userinfo ends at the first `@`, as tokio-postgres reads it (a password may hold `/` or `?`).
 fn mask_url_rest(rest: &str) -> String {
-    let (authority, tail) = match rest.find(['/', '?']) {
-        Some(end) => rest.split_at(end),
+    let userinfo_end = rest.find('@').map_or(0, |at| at + 1);
+    let (authority, tail) = match rest[userinfo_end..].find(['/', '?']) {
+        Some(end) => rest.split_at(userinfo_end + end),
         None => (rest, ""),
     };
     let authority = match authority.rsplit_once('@') {
@@ -197,7 +205,7 @@ fn mask_url_rest(rest: &str) -> String {
             let params: Vec<String> = query
                 .split('&')
                 .map(|param| match param.split_once('=') {
-                    Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                    Some((key, _)) if tls::percent_decode(key).eq_ignore_ascii_case("password") => format!("{key}=***"),
                     _ => param.to_owned(),
                 })
                 .collect();
@@ -308,6 +316,13 @@ mod tests {
                 "s3cret",
             ),
             ("postgres://app@db?password=s3cret", "postgres://app@db?password=***", "s3cret"),
+            // a password holding '/' (base64), and a key spelled with an escape
+            ("postgres://app:ab/c%2Bd@db/custodian", "postgres://app:***@db/custodian", "ab/c"),
+            (
+                "postgres://app@db/custodian?pass%77ord=s%33cret",
+                "postgres://app@db/custodian?pass%77ord=***",
+                "s%33cret",
+            ),
             (
                 "host=db user=app password=s3cret dbname=custodian",
                 "host=db user=app password=*** dbname=custodian",

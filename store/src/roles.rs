@@ -14,7 +14,8 @@ pub const APP_ROLE: &str = "custodian_app";
 /// The role that owns the schema; only `custodian migrate` connects as it.
 pub const OWNER_ROLE: &str = "custodian_owner";
 
-/// What the connected role is allowed to undo, if anything.
+/// What the connected role is allowed to undo, if anything. The schema is named (`public`) as
+/// well as taken from the search path, which a connection string can change.
 const ROLE_POWERS: &str = "
 select r.rolname::text,
        r.rolsuper,
@@ -23,8 +24,16 @@ select r.rolname::text,
        exists (select 1
                  from pg_class c
                  join pg_namespace n on n.oid = c.relnamespace
-                where n.nspname = current_schema()
-                  and pg_has_role(current_user, c.relowner, 'MEMBER')) as owns_tables
+                where n.nspname in ('public', current_schema())
+                  and pg_has_role(current_user, c.relowner, 'MEMBER'))
+       or exists (select 1
+                    from pg_proc p
+                    join pg_namespace n on n.oid = p.pronamespace
+                   where n.nspname in ('public', current_schema())
+                     and pg_has_role(current_user, p.proowner, 'MEMBER')) as owns_objects,
+       r.rolcreaterole,
+       r.rolreplication,
+       has_parameter_privilege(current_user, 'session_replication_role', 'SET') as may_skip_triggers
   from pg_roles r, pg_database d
  where r.rolname = current_user
    and d.datname = current_database()";
@@ -49,19 +58,26 @@ pub enum RoleError {
     Database(#[from] tokio_postgres::Error),
 }
 
-/// Refuses a connection whose role is a superuser, owns the database or its schema's tables, or
-/// bypasses row-level security.
+/// Refuses a connection whose role is a superuser, owns the database or its schema's tables or
+/// functions, bypasses row-level security, can create roles, replicates, or was granted the right
+/// to set `session_replication_role`.
 pub async fn check_service_role<C: GenericClient>(client: &C) -> Result<(), RoleError> {
     let row = client.query_one(ROLE_POWERS, &[]).await?;
     let role: String = row.get(0);
     let power = if row.get::<_, bool>(1) {
         "is a superuser and can switch every trigger off"
     } else if row.get::<_, bool>(4) {
-        "owns the schema's tables and can disable their triggers"
+        "owns the schema's tables or functions and can disable or replace their triggers"
     } else if row.get::<_, bool>(3) {
         "owns the database"
     } else if row.get::<_, bool>(2) {
         "bypasses row-level security"
+    } else if row.get::<_, bool>(5) {
+        "can create roles (and so grant itself the owner's)"
+    } else if row.get::<_, bool>(6) {
+        "is a replication role"
+    } else if row.get::<_, bool>(7) {
+        "may set session_replication_role and skip every trigger"
     } else {
         return Ok(());
     };

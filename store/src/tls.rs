@@ -143,7 +143,7 @@ pub fn split_tls_params(raw: &str) -> Result<(String, TlsParams), TlsError> {
 }
 
 /// `%XX` escapes decoded (for a path in a URL's query).
-fn percent_decode(value: &str) -> String {
+pub(crate) fn percent_decode(value: &str) -> String {
     let bytes = value.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -85,6 +85,14 @@ impl Follower {
     /// Sends `facts` in order; `Done` if the client went away.
     async fn send(&mut self, facts: Vec<Fact>) -> Result<(), End> {
         for fact in facts {
+            // Checked per fact (against the cached snapshot), so a revoked token's stream stops
+            // within the snapshot's age even in the middle of a page.
+            if let Err(status) = self.state.auth.still_active(&self.caller).await {
+                return Err(End::Failed(Status::new(
+                    status.code(),
+                    format!("{}; {}", status.message(), self.resume_hint()),
+                )));
+            }
             let position = fact.position;
             tokio::select! {
                 sent = self.sender.send(Ok(event(fact))) => sent.map_err(|_| End::Done)?,
