@@ -7,27 +7,28 @@
 //! presented (`UNAUTHENTICATED` otherwise), known and not revoked (`UNAUTHENTICATED`), within its
 //! rate (`RESOURCE_EXHAUSTED`), and carry the scope (`PERMISSION_DENIED`).
 //!
-//! Tokens are checked against a snapshot of the `api_token` table read at most every
-//! [`TOKEN_SNAPSHOT_MAX_AGE`], so a revocation takes effect within that time, for open streams
-//! too (they ask [`Authenticator::still_active`] as they go).
+//! Tokens are checked against a snapshot of the `api_token` table that a task of its own reads
+//! every quarter second, never older than [`TOKEN_SNAPSHOT_MAX_AGE`], so a revocation takes effect
+//! within that time, for open streams too (they ask [`Authenticator::still_active`] as they go).
 
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use custodian_store::Pool;
+use tokio::sync::{watch, Notify};
 use tonic::{Request, Status};
 
 use crate::rate::RateLimiter;
-use crate::status;
 use crate::tokens::{Presented, Scope, TokenSet, TOKEN_PREFIX};
 
 /// The metadata key carrying the token.
 const AUTHORIZATION: &str = "authorization";
 
-/// How old the token snapshot may be: a revoked token is refused at most this long after its
-/// revocation commits.
-pub(crate) const TOKEN_SNAPSHOT_MAX_AGE: Duration = Duration::from_millis(500);
+/// How old a snapshot may be and still be used. It is read every quarter second, so a revocation
+/// normally takes effect within that; if the reads fail, calls are refused (`UNAVAILABLE`) once
+/// the last good snapshot is this old, so a revoked token is never served longer.
+pub(crate) const TOKEN_SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// How often a token unknown to the snapshot may cause it to be read again: a flood of made-up
 /// tokens costs at most one query per interval.
@@ -51,64 +52,70 @@ pub(crate) struct Rates {
     pub peer: (u32, u32),
 }
 
-/// Checks tokens against a fresh snapshot of `api_token` and holds the rate limits.
-#[derive(Debug)]
-pub(crate) struct Authenticator {
-    pool: Pool,
-    tokens: RateLimiter<i64>,
-    peers: RateLimiter<IpAddr>,
-    snapshot: tokio::sync::Mutex<Option<(Instant, Arc<TokenSet>)>>,
+/// A read of the token table and when it started.
+#[derive(Debug, Clone)]
+struct Snapshot {
+    read_at: Instant,
+    tokens: Arc<TokenSet>,
 }
 
+/// Checks tokens against a fresh snapshot of `api_token` and holds the rate limits.
+///
+/// The snapshot is read by a task of its own, every [`REFRESH_INTERVAL`] and at once when a call
+/// presents a token the snapshot does not know (but never more often than
+/// [`UNKNOWN_REFRESH_MIN_AGE`]). Calls never wait on each other for a refresh, and a database
+/// that stops answering makes calls fail closed (`UNAVAILABLE`) once the snapshot is older than
+/// [`TOKEN_SNAPSHOT_MAX_AGE`], never serve a stale one.
+#[derive(Debug)]
+pub(crate) struct Authenticator {
+    tokens: RateLimiter<i64>,
+    peers: RateLimiter<IpAddr>,
+    snapshot: watch::Receiver<Option<Snapshot>>,
+    wake: Arc<Notify>,
+}
+
+/// How often the token table is read while nothing asks for it sooner.
+const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
+
 impl Authenticator {
-    /// An authenticator over `pool` with the given rates.
+    /// An authenticator over `pool` with the given rates; starts the snapshot's reader, which
+    /// ends when the authenticator is dropped.
     pub(crate) fn new(pool: Pool, rates: Rates) -> Authenticator {
+        let (publish, snapshot) = watch::channel(None);
+        let wake = Arc::new(Notify::new());
+        tokio::spawn(refresh_tokens(pool, publish, wake.clone()));
         Authenticator {
-            pool,
             tokens: RateLimiter::new(rates.token.0, rates.token.1),
             peers: RateLimiter::new(rates.peer.0, rates.peer.1),
-            snapshot: tokio::sync::Mutex::new(None),
+            snapshot,
+            wake,
         }
     }
 
-    /// The token snapshot, read again when older than [`TOKEN_SNAPSHOT_MAX_AGE`]. One reader
-    /// refreshes while the others wait for it, so a burst of calls costs one query.
-    async fn tokens(&self) -> Result<Arc<TokenSet>, Status> {
-        let mut snapshot = self.snapshot.lock().await;
-        match snapshot.as_ref() {
-            Some((read_at, tokens)) if read_at.elapsed() < TOKEN_SNAPSHOT_MAX_AGE => Ok(tokens.clone()),
-            _ => self.refresh(&mut snapshot).await,
+    /// The newest snapshot that `fresh_enough` accepts, waiting (bounded) for the reader.
+    async fn snapshot_where(&self, fresh_enough: impl Fn(&Snapshot) -> bool) -> Result<Arc<TokenSet>, Status> {
+        let mut snapshot = self.snapshot.clone();
+        let found =
+            tokio::time::timeout(SNAPSHOT_WAIT, snapshot.wait_for(|s| s.as_ref().is_some_and(&fresh_enough))).await;
+        match found {
+            Ok(Ok(found)) => Ok(found.as_ref().expect("BUG: wait_for returned an empty snapshot").tokens.clone()),
+            _ => Err(Status::unavailable(format!(
+                "the API tokens could not be read from the database; retry in {} ms",
+                SNAPSHOT_WAIT.as_millis()
+            ))),
         }
+    }
+
+    /// A snapshot at most [`TOKEN_SNAPSHOT_MAX_AGE`] old.
+    async fn tokens(&self) -> Result<Arc<TokenSet>, Status> {
+        self.snapshot_where(|s| s.read_at.elapsed() < TOKEN_SNAPSHOT_MAX_AGE).await
     }
 
     /// A snapshot read after `arrived`, so it holds every token committed before the call came
-    /// in (one created a moment ago works at once). Snapshots are read at most every
-    /// [`UNKNOWN_REFRESH_MIN_AGE`] this way: a flood of made-up tokens waits instead of turning
-    /// into a query each.
+    /// in (one created a moment ago works at once).
     async fn tokens_read_after(&self, arrived: Instant) -> Result<Arc<TokenSet>, Status> {
-        loop {
-            let mut snapshot = self.snapshot.lock().await;
-            let wait = match snapshot.as_ref() {
-                Some((read_at, tokens)) if *read_at >= arrived => return Ok(tokens.clone()),
-                Some((read_at, _)) => UNKNOWN_REFRESH_MIN_AGE.saturating_sub(read_at.elapsed()),
-                None => Duration::ZERO,
-            };
-            if wait.is_zero() {
-                return self.refresh(&mut snapshot).await;
-            }
-            drop(snapshot);
-            tokio::time::sleep(wait).await;
-        }
-    }
-
-    async fn refresh(&self, snapshot: &mut Option<(Instant, Arc<TokenSet>)>) -> Result<Arc<TokenSet>, Status> {
-        // Stamped before the query: every token committed before this instant is in the answer.
-        let read_at = Instant::now();
-        let client = self.pool.get().await.map_err(|e| status::pool(&e))?;
-        let tokens =
-            Arc::new(TokenSet::load(&client).await.map_err(|e| status::database("checking the API token", &e))?);
-        *snapshot = Some((read_at, tokens.clone()));
-        Ok(tokens)
+        self.wake.notify_one();
+        self.snapshot_where(|s| s.read_at >= arrived).await
     }
 
     /// Lets `request` through to `call` if its peer is within its rate, and its token is valid,
@@ -164,6 +171,35 @@ impl Authenticator {
             Ok(())
         } else {
             Err(Status::unauthenticated(format!("the API token {:?} has been revoked", caller.name)))
+        }
+    }
+}
+
+/// How long a call waits for a usable snapshot before `UNAVAILABLE`.
+const SNAPSHOT_WAIT: Duration = Duration::from_secs(2);
+
+/// Reads the token table into `publish` until nobody listens: every [`REFRESH_INTERVAL`], or
+/// sooner when woken, but never twice within [`UNKNOWN_REFRESH_MIN_AGE`]. A failed read keeps
+/// the previous snapshot (which ages out) and is retried.
+async fn refresh_tokens(pool: Pool, publish: watch::Sender<Option<Snapshot>>, wake: Arc<Notify>) {
+    while !publish.is_closed() {
+        // Stamped before the query: every token committed before this instant is in the answer.
+        let read_at = Instant::now();
+        let read = match pool.get().await {
+            Ok(client) => TokenSet::load(&client).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match read {
+            Ok(tokens) => {
+                publish.send_replace(Some(Snapshot { read_at, tokens: Arc::new(tokens) }));
+            }
+            Err(error) => tracing::warn!(%error, "could not read the API tokens; retrying"),
+        }
+        tokio::time::sleep(UNKNOWN_REFRESH_MIN_AGE.saturating_sub(read_at.elapsed())).await;
+        tokio::select! {
+            () = wake.notified() => {}
+            () = tokio::time::sleep(REFRESH_INTERVAL.saturating_sub(read_at.elapsed())) => {}
+            () = publish.closed() => return,
         }
     }
 }
