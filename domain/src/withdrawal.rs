@@ -122,6 +122,10 @@ pub enum WithdrawalEvent {
         tx_hash: Option<String>,
         /// The fee paid by the cancel, wei (zero before signing).
         fee: Amount,
+        /// The principal who cancelled it before signing; after signing that is recorded by
+        /// `cancel_requested`, and this event only says which attempt mined.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     /// Something signed with our key that we did not record, or a state we cannot explain.
     NeedsReview {
@@ -492,7 +496,11 @@ mod tests {
                 S::CancelRequested,
                 Some("0x01"),
             ),
-            (vec![requested(), E::Cancelled { tx_hash: None, fee: Amount::ZERO }], S::Cancelled, None),
+            (
+                vec![requested(), E::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some("client".into()) }],
+                S::Cancelled,
+                None,
+            ),
         ];
         for (events, state, tx) in cases {
             let folded = Withdrawal::fold(9, &events).expect("starts with requested");

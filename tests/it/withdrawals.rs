@@ -845,6 +845,19 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     );
     // cancelled withdrawals do not count towards the day
     actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id, "wallet-app").await.unwrap();
+    let by: String =
+        h.db.pool
+            .get()
+            .await
+            .unwrap()
+            .query_one(
+                "select payload ->> 'by' from withdrawal_event where withdrawal_id = $1 and event_type = 'cancelled'",
+                &[&first.id],
+            )
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(by, "wallet-app", "a cancel before signing records who cancelled");
     let fourth = h.request(alice, "d-4", &destination(52), 5 * ETHER / 10).await.unwrap().withdrawal;
     assert_eq!(fourth.state, WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
 }

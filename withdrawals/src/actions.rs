@@ -104,7 +104,8 @@ pub async fn cancel(
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
     match w.state {
         WithdrawalState::Requested | WithdrawalState::AwaitingApproval => {
-            sql::append(&tx, &mut w, WithdrawalEvent::Cancelled { tx_hash: None, fee: Amount::ZERO }).await?;
+            let cancelled = WithdrawalEvent::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some(by.to_owned()) };
+            sql::append(&tx, &mut w, cancelled).await?;
             sql::post(&tx, &w, Movement::Release, Amount::ZERO).await?;
         }
         WithdrawalState::Signed | WithdrawalState::Broadcast => {

@@ -456,7 +456,7 @@ impl Worker {
             let is_cancel =
                 sql::attempts(&client, id).await?.iter().any(|a| a.tx_hash == tx_hash && a.kind == "cancel");
             if is_cancel {
-                let event = WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee };
+                let event = WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee, by: None };
                 if self
                     .record(id, &still_mined_there, event, &[(Movement::Fee, fee), (Movement::Release, Amount::ZERO)])
                     .await?
