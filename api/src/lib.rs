@@ -34,7 +34,13 @@ mod wire;
 #[allow(clippy::all)]
 pub mod pb {
     tonic::include_proto!("custodian.v1");
+
+    /// The API's encoded file descriptors, served by reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("custodian_descriptor");
 }
+
+/// How often the standard health service (`grpc.health.v1`) asks the database.
+const STANDARD_HEALTH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the API needs beyond the database.
 #[derive(Debug, Clone)]
@@ -219,10 +225,45 @@ pub async fn serve(
         let _ = stop.send(true);
         let _ = begun.send(true);
     };
+    // The standard probes: grpc.health.v1 (grpc_health_probe, Kubernetes) answers SERVING while
+    // the database does, for the server ("") and each service; reflection lets grpcurl list and
+    // call the API without the .proto files.
+    let (health_reporter, standard_health) = tonic_health::server::health_reporter();
+    let probe_pool = state.pool.clone();
+    let mut probe_stop = state.stopping.clone();
+    tokio::spawn(async move {
+        loop {
+            let serving = match tokio::time::timeout(STANDARD_HEALTH_INTERVAL, probe_pool.get()).await {
+                Ok(Ok(client)) => client.query_one("select 1", &[]).await.is_ok(),
+                _ => false,
+            };
+            let status =
+                if serving { tonic_health::ServingStatus::Serving } else { tonic_health::ServingStatus::NotServing };
+            for service in STANDARD_HEALTH_SERVICES {
+                health_reporter.set_service_status(service, status).await;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(STANDARD_HEALTH_INTERVAL) => {}
+                () = async { let _ = probe_stop.wait_for(|stop| *stop).await; } => {
+                    for service in STANDARD_HEALTH_SERVICES {
+                        health_reporter.set_service_status(service, tonic_health::ServingStatus::NotServing).await;
+                    }
+                    return;
+                }
+            }
+        }
+    });
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ApiError::Config(format!("server reflection: {e}")))?;
     let server = builder
         .timeout(config.request_timeout)
         .concurrency_limit_per_connection(config.max_concurrent_requests)
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(config.max_concurrent_requests))
+        .add_service(standard_health)
+        .add_service(reflection)
         .add_service(pb::health_server::HealthServer::new(services::health::HealthService::new(state.clone())))
         .add_service(pb::accounts_server::AccountsServer::new(services::accounts::AccountsService::new(state.clone())))
         .add_service(pb::withdrawals_server::WithdrawalsServer::new(services::withdrawals::WithdrawalsService::new(
@@ -244,6 +285,16 @@ pub async fn serve(
     }
     Ok(())
 }
+
+/// The names `grpc.health.v1` answers for: the whole server and each of our services.
+const STANDARD_HEALTH_SERVICES: [&str; 6] = [
+    "",
+    "custodian.v1.Health",
+    "custodian.v1.Accounts",
+    "custodian.v1.Withdrawals",
+    "custodian.v1.Audit",
+    "custodian.v1.Admin",
+];
 
 /// How long in-flight calls and open connections get to finish once shutdown begins.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);

@@ -5,6 +5,7 @@ mod accounts;
 mod auth;
 mod end_to_end;
 mod events;
+mod probes;
 mod support;
 mod tls;
 mod withdrawals;
