@@ -405,7 +405,7 @@ pub(super) fn base64_decode(text: &str) -> Option<Vec<u8>> {
         Some(u32::from(value))
     }
     let bytes = text.as_bytes();
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     let padding = bytes.iter().rev().take_while(|byte| **byte == b'=').count();
