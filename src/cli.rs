@@ -30,6 +30,10 @@ pub struct GlobalArgs {
     /// Ethereum JSON-RPC endpoint.
     #[arg(long = "eth-rpc", global = true, env = "CUSTODIAN_ETH_RPC_URL", hide_env_values = true)]
     pub eth_rpc: Option<String>,
+    /// The Ethereum chain id withdrawals are signed for; a node answering another is refused
+    /// (required whenever hot-wallet keys are configured).
+    #[arg(long = "eth-chain-id", global = true, env = "CUSTODIAN_ETH_CHAIN_ID")]
+    pub eth_chain_id: Option<u64>,
     /// Bitcoin Core JSON-RPC endpoint.
     #[arg(long = "btc-rpc", global = true, env = "CUSTODIAN_BTC_RPC_URL", hide_env_values = true)]
     pub btc_rpc: Option<String>,

@@ -48,6 +48,8 @@ pub struct FileConfig {
 pub struct EthConfig {
     /// JSON-RPC endpoint.
     pub rpc_url: Option<String>,
+    /// The EIP-155 chain id withdrawals are signed for (required with hot-wallet keys).
+    pub chain_id: Option<u64>,
     /// Account-level xpub (m/44'/60'/0') deposit addresses are derived from.
     pub deposit_xpub: Option<String>,
 }

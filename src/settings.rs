@@ -20,6 +20,8 @@ pub struct Settings {
     pub migrate_database_url: DatabaseUrl,
     /// Ethereum JSON-RPC endpoint, if configured.
     pub eth_rpc: Option<String>,
+    /// The chain id withdrawals are signed for.
+    pub eth_chain_id: Option<u64>,
     /// Bitcoin Core JSON-RPC endpoint, if configured.
     pub btc_rpc: Option<String>,
     /// Bitcoin Core credentials.
@@ -87,6 +89,7 @@ impl Settings {
             database_url,
             migrate_database_url,
             eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
+            eth_chain_id: args.eth_chain_id.or(file.eth.chain_id),
             btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
             btc_auth,
             btc_network,

@@ -48,6 +48,8 @@ mod story {
         ("lane-a", "0xdbda1821b80551c9d65939329250298aa3472ba22feea921c0cf5d620ea67b97"),
         ("lane-b", "0x2a871d0798f97d79848a013d4936a73bf4cc922c825d33c1cf7073dff6d409c6"),
     ];
+    /// anvil's chain id: the demo's worker signs for it and would refuse any other node.
+    const DEMO_CHAIN_ID: u64 = 31337;
     /// A seed used only by the demo to make its deposit xpubs; its private half is dropped.
     const DEMO_SEED: [u8; 32] = *b"custodian demo seed, not a key!!";
 
@@ -311,8 +313,12 @@ mod story {
         ));
         table(&pool, &accounts).await?;
 
-        let worker =
-            Worker::new(pool.clone(), node, signers, WorkerConfig { confirmations: 2, ..WorkerConfig::default() });
+        let worker = Worker::new(
+            pool.clone(),
+            node,
+            signers,
+            WorkerConfig { confirmations: 2, chain_id: Some(DEMO_CHAIN_ID), ..WorkerConfig::default() },
+        );
         let ids = [first.withdrawal.id, big.withdrawal.id];
         let mut told: HashMap<i64, usize> = HashMap::new();
         for _ in 0..30 {

@@ -147,6 +147,8 @@ pub async fn run(
     });
 
     let mut tasks = tokio::task::JoinSet::new();
+    // Parts that stopped for good (a worker on the wrong chain): /healthz answers 503 with them.
+    let broken: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let config = ScanConfig { retention_blocks: settings.retention_blocks, ..ScanConfig::default() };
     if let Some(url) = &settings.eth_rpc {
         let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?;
@@ -160,12 +162,13 @@ pub async fn run(
     if let Some(url) = &settings.eth_rpc {
         let lanes = hot_wallet::lanes(&pool.get().await?).await?;
         let signers = super::withdraw::signers(settings, &lanes, &worker_args.key_files)?;
+        super::withdraw::require_chain_id(settings, &signers)?;
         let node = EthNode::new(url).map_err(|e| invalid(e.to_string()))?;
         let worker = Worker::new(pool.clone(), node, signers, super::withdraw::worker_config(settings, worker_args));
-        tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone()));
+        tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone(), broken.clone()));
     }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
-    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(warnings), stopped.clone()));
+    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(warnings), broken, stopped.clone()));
     let mut api_stopped = stopped.clone();
     let api_shutdown = async move {
         let _ = api_stopped.wait_for(|stop| *stop).await;
@@ -207,11 +210,22 @@ async fn scan<R: ChainReader + 'static>(
     Ok(())
 }
 
-async fn work(worker: Worker, interval: Duration, mut stopped: watch::Receiver<bool>) -> Result<()> {
+async fn work(
+    worker: Worker,
+    interval: Duration,
+    mut stopped: watch::Receiver<bool>,
+    broken: Arc<std::sync::Mutex<Vec<String>>>,
+) -> Result<()> {
     while !*stopped.borrow() {
         // A pass is never cut short: the stop flag is looked at between passes.
-        if let Err(e) = worker.pass().await {
-            tracing::warn!("withdrawal pass failed, retried after the interval: {e}");
+        match worker.pass().await {
+            Err(e) if e.is_fatal() => {
+                let reason = format!("the withdrawal worker stopped: {e}");
+                broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
+                anyhow::bail!(reason);
+            }
+            Err(e) => tracing::warn!("withdrawal pass failed, retried after the interval: {e}"),
+            Ok(_) => {}
         }
         tokio::select! {
             _ = stopped.changed() => {}
@@ -251,6 +265,7 @@ async fn health(
     pool: Pool,
     recorder: Arc<metrics_exporter_prometheus::PrometheusHandle>,
     warnings: Arc<Vec<String>>,
+    broken: Arc<std::sync::Mutex<Vec<String>>>,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<()> {
     loop {
@@ -258,7 +273,7 @@ async fn health(
             accepted = listener.accept() => accepted?,
             _ = stopped.wait_for(|stop| *stop) => return Ok(()),
         };
-        let (pool, recorder, warnings) = (pool.clone(), recorder.clone(), warnings.clone());
+        let (pool, recorder, warnings, broken) = (pool.clone(), recorder.clone(), warnings.clone(), broken.clone());
         tokio::spawn(async move {
             let mut buffer = [0u8; 1024];
             let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await;
@@ -267,6 +282,10 @@ async fn health(
             let path = request.split_whitespace().nth(1).unwrap_or("/");
             let (status, body) = match path {
                 "/metrics" => ("200 OK", recorder.render()),
+                "/healthz" if !broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_empty() => {
+                    let reasons = broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).join("\n");
+                    ("503 Service Unavailable", format!("stopped: {reasons}\n"))
+                }
                 "/healthz" => match pool.get().await {
                     Ok(client) if client.query_one("select 1", &[]).await.is_ok() => {
                         let notes: String = warnings.iter().map(|w| format!("warning: {w}\n")).collect();

@@ -309,8 +309,20 @@ pub fn worker_config(settings: &Settings, args: &crate::cli::WorkerArgs) -> Work
         max_fee_per_gas_wei: gwei.map_or(defaults.max_fee_per_gas_wei, |g| {
             alloy_primitives::U256::from(g) * alloy_primitives::U256::from(1_000_000_000u64)
         }),
+        chain_id: settings.eth_chain_id,
         ..defaults
     }
+}
+
+/// A worker with keys signs for one configured chain only.
+pub fn require_chain_id(settings: &Settings, signers: &HashMap<String, Arc<dyn Signer>>) -> Result<()> {
+    if !signers.is_empty() && settings.eth_chain_id.is_none() {
+        return Err(invalid(
+            "hot-wallet keys are configured, so the chain they sign for must be too: set [eth] chain_id \
+             (or --eth-chain-id / CUSTODIAN_ETH_CHAIN_ID); a node answering another id is then refused",
+        ));
+    }
+    Ok(())
 }
 
 /// Keys per lane from `--key-file LANE=PATH`, `CUSTODIAN_HOT_KEY_FILE_<LANE>`,
@@ -380,6 +392,7 @@ pub async fn work(
             "no hot-wallet key for any lane: pass --key-file LANE=PATH or set CUSTODIAN_HOT_KEY_<LANE>",
         ));
     }
+    require_chain_id(settings, &signers)?;
     let worker = Worker::new(pool, node, signers, config);
     if once {
         let report = worker.pass().await.context("running a withdrawal pass")?;
@@ -393,8 +406,10 @@ pub async fn work(
     let mut shutdown = std::pin::pin!(super::shutdown_signal());
     loop {
         // A pass is never interrupted: the signal is only looked at between passes.
-        if let Err(e) = worker.pass().await {
-            tracing::warn!("withdrawal pass failed, retried after the interval: {e}");
+        match worker.pass().await {
+            Err(e) if e.is_fatal() => return Err(anyhow::Error::new(e).context("the withdrawal worker stopped")),
+            Err(e) => tracing::warn!("withdrawal pass failed, retried after the interval: {e}"),
+            Ok(_) => {}
         }
         tokio::select! {
             _ = &mut shutdown => break,

@@ -95,7 +95,10 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     let alice = h.funded_account("alice", 100 * 1_000_000_000_000_000_000).await;
     let config = config_file(
         "two",
-        &format!("[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n", LANE_KEYS[0], LANE_KEYS[1]),
+        &format!(
+            "[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n",
+            LANE_KEYS[0], LANE_KEYS[1]
+        ),
     );
     let first = Served::start(&h.db, &h.anvil, &config, "first");
     let second = Served::start(&h.db, &h.anvil, &config, "second");
@@ -151,8 +154,10 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
 async fn a_configured_private_key_never_appears_in_logs_or_debug_output() {
     let h = Harness::start(&[]).await;
     let key = LANE_KEYS[0];
-    let config =
-        config_file("secret", &format!("database_url = \"{}\"\n[hot_keys.a]\nkey = \"{key}\"\n", h.db.url.expose()));
+    let config = config_file(
+        "secret",
+        &format!("database_url = \"{}\"\n[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{key}\"\n", h.db.url.expose()),
+    );
     // A pass with trace logging and a failing command both print plenty; neither prints the key.
     let run = Command::new(env!("CARGO_BIN_EXE_custodian"))
         .env("CUSTODIAN_LOG", "trace")
@@ -205,7 +210,7 @@ async fn a_flood_of_unknown_tokens_starves_neither_the_worker_nor_health_nor_val
     let config = config_file(
         "flood",
         &format!(
-            "[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\npeer_requests_per_second = 20\npeer_burst = 20\npool_size = 2\n",
+            "[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\npeer_requests_per_second = 20\npeer_burst = 20\npool_size = 2\n",
             LANE_KEYS[0], LANE_KEYS[1]
         ),
     );
@@ -272,4 +277,45 @@ async fn a_flood_of_unknown_tokens_starves_neither_the_worker_nor_health_nor_val
     let (code, _) = tokio::task::spawn_blocking(move || served.terminate()).await.unwrap();
     assert_eq!(code, 0);
     let _ = std::fs::remove_file(config);
+}
+
+#[tokio::test]
+async fn a_node_on_another_chain_is_refused_before_anything_is_signed() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 1_000_000_000_000_000_000).await;
+    h.request(alice, "chain-1", &format!("0x{:040x}", 0x9999_0001u64), 1_000_000).await.unwrap();
+    let keys = format!("[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n", LANE_KEYS[0], LANE_KEYS[1]);
+    let work = |config: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_custodian"))
+            .env("CUSTODIAN_DATABASE_URL", h.db.url.expose())
+            .args(["work", "--once", "--eth-rpc", &h.anvil.url, "--config"])
+            .arg(config)
+            .output()
+            .expect("runs")
+    };
+    // Keys but no chain: refused as a usage error before any node call.
+    let unpinned = config_file("unpinned", &keys);
+    let run = work(&unpinned);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("chain_id"), "{stderr}");
+    // Pinned to mainnet, pointed at anvil (31337): exit 1, nothing signed.
+    let mainnet = config_file("mainnet", &format!("[eth]\nchain_id = 1\n{keys}"));
+    let run = work(&mainnet);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("chain id 31337") && stderr.contains("configured for 1"), "{stderr}");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0, "nothing was signed");
+    // serve: the worker stops, /healthz says so with 503, and still nothing is signed.
+    let served = Served::start(&h.db, &h.anvil, &mainnet, "mainnet");
+    let health = eventually("healthz to report the stopped worker", Duration::from_secs(20), || async {
+        let answer = http_get(&served.metrics, "/healthz").await;
+        answer.starts_with("HTTP/1.1 503").then_some(answer)
+    })
+    .await;
+    assert!(health.contains("withdrawal worker stopped") && health.contains("31337"), "{health}");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0, "nothing was signed");
+    let (code, _) = tokio::task::spawn_blocking(move || served.terminate()).await.unwrap();
+    assert_eq!(code, 0);
+    let _ = (std::fs::remove_file(unpinned), std::fs::remove_file(mainnet));
 }

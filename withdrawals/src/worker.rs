@@ -36,6 +36,10 @@ pub struct WorkerConfig {
     pub max_fee_per_gas_wei: U256,
     /// Blocks on top of (and including) the mined block before a withdrawal is confirmed.
     pub confirmations: u64,
+    /// The EIP-155 chain id this worker signs for. A node answering another is refused before
+    /// anything is signed ([`WorkError::WrongChain`]). The binary requires it whenever hot keys
+    /// are configured; `None` (library tests against a throwaway node) takes the node's word.
+    pub chain_id: Option<u64>,
 }
 
 impl Default for WorkerConfig {
@@ -45,6 +49,7 @@ impl Default for WorkerConfig {
             bump_after_blocks: 3,
             max_fee_per_gas_wei: U256::from(500_000_000_000u64),
             confirmations: 12,
+            chain_id: None,
         }
     }
 }
@@ -68,9 +73,24 @@ pub enum WorkError {
         /// What the database says.
         lane_address: String,
     },
+    /// The node is on another chain than the one configured: nothing is signed or settled.
+    #[error("the Ethereum node answers chain id {node}, but the worker is configured for {configured} ([eth] chain_id): nothing was signed")]
+    WrongChain {
+        /// `[eth] chain_id`.
+        configured: u64,
+        /// What the node said.
+        node: u64,
+    },
     /// The database failed.
     #[error("database error: {0}")]
     Database(String),
+}
+
+impl WorkError {
+    /// Whether retrying cannot help until an operator changes something (wrong chain, wrong key).
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, WorkError::WrongChain { .. } | WorkError::WrongKey { .. })
+    }
 }
 
 impl From<tokio_postgres::Error> for WorkError {
@@ -306,7 +326,7 @@ impl Worker {
     pub async fn pass(&self) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
         let lanes = hot_wallet::lanes(&self.pool.get().await?).await?;
-        let chain_id = self.node.chain_id().await?;
+        let chain_id = self.chain_id().await?;
         for lane in lanes {
             let Some(signer) = self.signers.get(&lane.lane) else { continue };
             if hex(signer.address()) != lane.address {
@@ -334,11 +354,23 @@ impl Worker {
         Ok(report)
     }
 
+    /// The node's chain id, refused unless it is the configured one.
+    async fn chain_id(&self) -> Result<u64, WorkError> {
+        let node = self.node.chain_id().await?;
+        match self.config.chain_id {
+            Some(configured) if configured != node => {
+                tracing::error!(configured, node, "ALERT: the Ethereum node is on another chain; the worker stops");
+                Err(WorkError::WrongChain { configured, node })
+            }
+            _ => Ok(node),
+        }
+    }
+
     /// Only the allocate-and-sign step for one lane (its simulation included): what a process
     /// that dies right after committing would have done. Operators use `pass`.
     pub async fn allocate_lane(&self, lane: &Lane) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
-        let chain_id = self.node.chain_id().await?;
+        let chain_id = self.chain_id().await?;
         if let Some(signer) = self.signers.get(&lane.lane) {
             self.allocate(lane, signer.as_ref(), chain_id, &mut report).await?;
         }
