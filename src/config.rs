@@ -130,6 +130,14 @@ pub struct MetricsConfig {
     pub listen: Option<String>,
 }
 
+/// The file's permission bits when group or others may read or write it; `None` when only its
+/// owner may. Files holding secrets (configuration with a password, TLS keys) must be the latter.
+pub fn readable_by_others(path: &Path) -> std::io::Result<Option<u32>> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)?.permissions().mode() & 0o777;
+    Ok((mode & 0o077 != 0).then_some(mode))
+}
+
 /// A lane's key: a file readable by its owner only, or the hex key itself.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -153,15 +161,11 @@ impl FileConfig {
             invalid(format!("{} line {line}: {}", path.display(), e.message()))
         })?;
         if let Some(secret) = config.secret_held() {
-            use std::os::unix::fs::PermissionsExt;
-            let mode =
-                std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.permissions().mode();
-            if mode & 0o077 != 0 {
+            if let Some(mode) = readable_by_others(path).with_context(|| format!("reading {}", path.display()))? {
                 return Err(invalid(format!(
-                    "{} holds a secret ({secret}) but is readable by other users (mode {:o}); chmod 600 it, \
+                    "{} holds a secret ({secret}) but is readable by other users (mode {mode:o}); chmod 600 it, \
                      as key files are",
-                    path.display(),
-                    mode & 0o777
+                    path.display()
                 )));
             }
         }

@@ -58,16 +58,12 @@ fn server_tls(api: &crate::config::ApiConfig) -> Result<Option<custodian_api::Se
         (None, None) if api.client_ca.is_some() => Err(invalid("[api] client_ca needs tls_cert and tls_key")),
         (None, None) => Ok(None),
         (Some(cert), Some(key)) => {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(key)
-                .map_err(|e| invalid(format!("[api] tls_key {}: {e}", key.display())))?
-                .permissions()
-                .mode();
-            if mode & 0o077 != 0 {
+            let exposed = crate::config::readable_by_others(key)
+                .map_err(|e| invalid(format!("[api] tls_key {}: {e}", key.display())))?;
+            if let Some(mode) = exposed {
                 return Err(invalid(format!(
-                    "[api] tls_key {} is readable by other users (mode {:o}); chmod 600 it",
-                    key.display(),
-                    mode & 0o777
+                    "[api] tls_key {} is readable by other users (mode {mode:o}); chmod 600 it",
+                    key.display()
                 )));
             }
             Ok(Some(custodian_api::ServerTls {

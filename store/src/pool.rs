@@ -216,43 +216,14 @@ fn mask_url_rest(rest: &str) -> String {
     format!("{authority}{tail}")
 }
 
-/// `host=… password=… dbname=…` with the password's value (quoted or not) masked.
+/// `host=… password=… dbname=…` with the password's value (quoted or not) masked, read with the
+/// same tokenizer that takes the TLS parameters out ([`tls::key_values`]).
 fn mask_key_values(raw: &str) -> String {
-    let mut out = String::with_capacity(raw.len());
-    let mut rest = raw;
-    while !rest.is_empty() {
-        let start = rest.len() - rest.trim_start().len();
-        out.push_str(&rest[..start]);
-        rest = &rest[start..];
-        let key_end = rest.find(|c: char| c == '=' || c.is_whitespace()).unwrap_or(rest.len());
-        let key = &rest[..key_end];
-        let after_key = rest[key_end..].trim_start();
-        if !after_key.starts_with('=') {
-            out.push_str(key);
-            rest = &rest[key_end..];
-            continue;
-        }
-        let value = after_key[1..].trim_start();
-        let value_len = if let Some(quoted) = value.strip_prefix('\'') {
-            // a quoted value ends at the first quote not escaped by a backslash
-            let mut escaped = false;
-            let end = quoted
-                .char_indices()
-                .find(|&(_, c)| {
-                    let close = c == '\'' && !escaped;
-                    escaped = c == '\\' && !escaped;
-                    close
-                })
-                .map_or(quoted.len(), |(i, _)| i + 1);
-            end + 1
-        } else {
-            value.find(char::is_whitespace).unwrap_or(value.len())
-        };
-        let shown = if key.eq_ignore_ascii_case("password") { "***" } else { &value[..value_len] };
-        out.push_str(&format!("{key}={shown}"));
-        rest = &value[value_len..];
-    }
-    out
+    tls::key_values(raw)
+        .into_iter()
+        .map(|(key, _, text)| if key.eq_ignore_ascii_case("password") { format!("{key}=***") } else { text })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Builds a pool of at most `max_size` connections and proves it works by taking one. A checkout

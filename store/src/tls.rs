@@ -164,7 +164,7 @@ pub(crate) fn percent_decode(value: &str) -> String {
 }
 
 /// The `key=value` pairs of a libpq key=value string: key, unquoted value, and the pair's text.
-fn key_values(raw: &str) -> Vec<(String, String, String)> {
+pub(crate) fn key_values(raw: &str) -> Vec<(String, String, String)> {
     let mut pairs = Vec::new();
     let mut chars = raw.char_indices().peekable();
     while let Some(&(start, c)) = chars.peek() {
