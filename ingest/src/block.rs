@@ -22,7 +22,10 @@ pub struct FetchedBlock {
 pub struct Transfer {
     /// Transaction hash in the chain's stored form.
     pub tx_hash: String,
-    /// BTC: the output's vout. ETH native: 0. ERC-20: the log index.
+    /// Where in the transaction the money was found.
+    pub kind: DepositKind,
+    /// Stable across re-mining: BTC vout; ETH native 0; ERC-20 the log's position in the
+    /// transaction's receipt; internal the call's position in the transaction's call tree.
     pub output_index: u32,
     /// Recipient in the chain's stored form (lowercase `0x` hex for ETH).
     pub to: String,
@@ -30,6 +33,34 @@ pub struct Transfer {
     pub asset: TransferAsset,
     /// How much, in the asset's smallest unit; never zero.
     pub amount: U256,
+    /// A BTC coinbase output (confirmable only after 100 blocks).
+    pub coinbase: bool,
+}
+
+/// Where a deposit was found, part of its key (`deposit:{chain}:{tx}:{kind}:{index}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DepositKind {
+    /// The ETH value of the transaction itself (index 0).
+    Native,
+    /// An ERC-20 `Transfer` log (its position in the transaction's receipt).
+    Log,
+    /// ETH moved by a contract call (the call's position in the call tree, the top call being 0).
+    Internal,
+    /// A BTC output (its vout).
+    Output,
+}
+
+impl DepositKind {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DepositKind::Native => "native",
+            DepositKind::Log => "log",
+            DepositKind::Internal => "internal",
+            DepositKind::Output => "output",
+        }
+    }
 }
 
 /// The asset of a transfer, as far as the block itself can say.

@@ -2,8 +2,9 @@
 //! with the `bitcoin` crate so amounts are exact satoshis and the bytes kept are the node's own.
 //!
 //! Every output whose script pays an address (P2PKH, P2SH, P2WPKH, P2WSH, P2TR, and any future
-//! witness version) is a transfer keyed by `(txid, vout)`. Coinbase outputs are not deposits: they
-//! cannot be spent for 100 blocks and a custodial address never mines.
+//! witness version) is a transfer keyed by `(txid, vout)`. Coinbase outputs are deposits too (a pool
+//! paying its miners in the coinbase); they are marked, because they can be spent, and so
+//! confirmed, only after 100 blocks.
 
 use std::time::Duration;
 
@@ -13,8 +14,8 @@ use custodian_domain::{BtcNetwork, Chain};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::block::{FetchedBlock, Transfer, TransferAsset};
-use crate::reader::{ChainReader, ReadError};
+use crate::block::{DepositKind, FetchedBlock, Transfer, TransferAsset};
+use crate::reader::{ChainIdentity, ChainReader, ReadError};
 
 /// How long one RPC call may take before the node counts as unreachable.
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
@@ -148,7 +149,8 @@ impl BtcReader {
 pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<FetchedBlock, ReadError> {
     let block: bitcoin::Block = deserialize(payload).map_err(|e| malformed(format!("block {height}: {e}")))?;
     let mut transfers = Vec::new();
-    for tx in block.txdata.iter().filter(|tx| !tx.is_coinbase()) {
+    for tx in &block.txdata {
+        let coinbase = tx.is_coinbase();
         let txid = tx.compute_txid().to_string();
         for (vout, output) in tx.output.iter().enumerate() {
             if output.value.to_sat() == 0 {
@@ -159,10 +161,12 @@ pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<F
             };
             transfers.push(Transfer {
                 tx_hash: txid.clone(),
+                kind: DepositKind::Output,
                 output_index: u32::try_from(vout).map_err(malformed)?,
                 to: address.to_string(),
                 asset: TransferAsset::Native,
                 amount: U256::from(output.value.to_sat()),
+                coinbase,
             });
         }
     }
@@ -198,6 +202,22 @@ impl ChainReader for BtcReader {
             Err(e) if e.code == RPC_INVALID_PARAMETER => Ok(None),
             Err(e) => Err(ReadError::Rpc { chain: Chain::Btc, method: "getblockhash", message: e.message }),
         }
+    }
+
+    async fn identity(&self) -> Result<ChainIdentity, ReadError> {
+        let info = self.call_ok("getblockchaininfo", json!([])).await?;
+        let network = info["chain"]
+            .as_str()
+            .ok_or_else(|| malformed(format!("getblockchaininfo has no chain: {info:.200}")))?
+            .to_owned();
+        if network.parse::<BtcNetwork>().ok() != Some(self.network) {
+            return Err(ReadError::WrongNetwork {
+                chain: Chain::Btc,
+                message: format!("the node serves Bitcoin {network}, configured for {}", self.network.as_str()),
+            });
+        }
+        let genesis = self.block_hash(0).await?.ok_or_else(|| malformed("getblockhash 0 found no genesis block"))?;
+        Ok(ChainIdentity { network, genesis_hash: genesis, chain_id: None })
     }
 
     async fn fetch_block(&self, height: u64) -> Result<Option<FetchedBlock>, ReadError> {

@@ -3,8 +3,15 @@
 //! A native deposit is a transaction with a recipient, a non-zero value and a successful receipt
 //! (a reverted transaction moves no value). An ERC-20 deposit is a `Transfer(address,address,
 //! uint256)` log with three topics; which contracts count is decided by the scanner from the
-//! registered tokens. The payload kept is `{"block":…,"receipts":…}` holding the node's two
-//! answers verbatim, so [`parse_payload`] can re-derive everything without the node.
+//! registered tokens. ETH moved by contract calls (a Safe paying us, a batch payout, a WETH unwrap)
+//! is found in the block's call traces (`debug_traceBlockByNumber` with the `callTracer`): every
+//! value-carrying call that did not revert, inside a successful transaction. The payload kept is
+//! `{"block":…,"receipts":…,"traces":…}` holding the node's answers verbatim (no `traces` when
+//! they are turned off), so [`parse_payload`] can re-derive everything without the node.
+//!
+//! Keys are stable across re-mining: a native deposit is index 0, a log its position in the
+//! transaction's own receipt, an internal call its position in the transaction's call tree
+//! (depth-first, the top-level call being 0).
 
 use std::collections::HashMap;
 
@@ -15,8 +22,8 @@ use custodian_domain::Chain;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::block::{FetchedBlock, Transfer, TransferAsset};
-use crate::reader::{ChainReader, ReadError};
+use crate::block::{DepositKind, FetchedBlock, Transfer, TransferAsset};
+use crate::reader::{ChainIdentity, ChainReader, ReadError};
 
 /// keccak256("Transfer(address,address,uint256)"), topic 0 of every ERC-20 transfer log.
 pub const TRANSFER_TOPIC: B256 = b256!("ddf252ad1be2c89b69c2b068fc378daa952ba7f163c4a11628f55a4df523b3ef");
@@ -25,6 +32,7 @@ pub const TRANSFER_TOPIC: B256 = b256!("ddf252ad1be2c89b69c2b068fc378daa952ba7f1
 #[derive(Clone)]
 pub struct EthReader {
     client: RpcClient,
+    traces: bool,
 }
 
 impl EthReader {
@@ -35,7 +43,34 @@ impl EthReader {
             chain: Chain::Eth,
             message: format!("invalid Ethereum RPC URL: {e}"),
         })?;
-        Ok(EthReader { client: RpcClient::new_http(url) })
+        Ok(EthReader { client: RpcClient::new_http(url), traces: true })
+    }
+
+    /// Whether call traces are read (internal deposits). On by default; a node without a trace
+    /// API must be configured with them off, knowingly.
+    pub fn with_traces(mut self, traces: bool) -> Self {
+        self.traces = traces;
+        self
+    }
+
+    /// Checks that the node answers `debug_traceBlockByNumber` with the `callTracer` (when traces
+    /// are on): a node without it is a start-up error, not a silent gap.
+    pub async fn check_traces(&self) -> Result<(), ReadError> {
+        if !self.traces {
+            return Ok(());
+        }
+        let _: Box<RawValue> =
+            self.call("debug_traceBlockByNumber", (quantity(0), call_tracer())).await.map_err(|e| {
+                ReadError::WrongNetwork {
+                    chain: Chain::Eth,
+                    message: format!(
+                        "the node does not answer debug_traceBlockByNumber with the callTracer ({e}); ETH sent by \
+                     contracts would not be seen. Use a node with the debug API, or set [eth] traces = false \
+                     (CUSTODIAN_ETH_TRACES=false) to scan without internal deposits"
+                    ),
+                }
+            })?;
+        Ok(())
     }
 
     async fn call<P, R>(&self, method: &'static str, params: P) -> Result<R, ReadError>
@@ -76,6 +111,10 @@ struct RpcBlock {
     transactions: Vec<RpcTransaction>,
 }
 
+fn call_tracer() -> serde_json::Value {
+    serde_json::json!({"tracer": "callTracer"})
+}
+
 #[derive(Deserialize)]
 struct RpcTransaction {
     hash: B256,
@@ -98,7 +137,6 @@ struct RpcLog {
     address: Address,
     topics: Vec<B256>,
     data: Bytes,
-    log_index: U64,
 }
 
 #[derive(Deserialize)]
@@ -107,6 +145,53 @@ struct Payload<'a> {
     block: &'a RawValue,
     #[serde(borrow)]
     receipts: &'a RawValue,
+    #[serde(borrow, default)]
+    traces: Option<&'a RawValue>,
+}
+
+/// One transaction's trace as `debug_traceBlockByNumber` answers it (geth and anvil name the
+/// transaction; older geth answers in block order without it).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TxTrace {
+    tx_hash: Option<B256>,
+    result: Option<CallFrame>,
+}
+
+/// A `callTracer` frame.
+#[derive(Deserialize)]
+struct CallFrame {
+    #[serde(rename = "type")]
+    kind: String,
+    to: Option<Address>,
+    value: Option<U256>,
+    error: Option<String>,
+    #[serde(default)]
+    calls: Vec<CallFrame>,
+}
+
+/// The value-carrying calls of a frame's tree that did not revert, as (position, to, value), the
+/// position counted depth-first over every frame with the top-level call at 0. A reverted frame
+/// reverts everything below it.
+fn internal_calls(root: &CallFrame) -> Vec<(u32, Address, U256)> {
+    fn walk(frame: &CallFrame, next: &mut u32, reverted: bool, out: &mut Vec<(u32, Address, U256)>) {
+        let position = *next;
+        *next += 1;
+        let reverted = reverted || frame.error.is_some();
+        let moves_value = matches!(frame.kind.as_str(), "CALL" | "SELFDESTRUCT");
+        if let (false, true, Some(to), Some(value), true) = (reverted, moves_value, frame.to, frame.value, position > 0)
+        {
+            if !value.is_zero() {
+                out.push((position, to, value));
+            }
+        }
+        for call in &frame.calls {
+            walk(call, next, reverted, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, &mut 0, false, &mut out);
+    out
 }
 
 fn malformed(message: impl std::fmt::Display) -> ReadError {
@@ -130,6 +215,25 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
     }
     let successful: HashMap<B256, &RpcReceipt> =
         receipts.iter().filter(|r| r.status == Some(U64::from(1))).map(|r| (r.transaction_hash, r)).collect();
+    let traces: Vec<TxTrace> = match wrapper.traces {
+        Some(traces) => serde_json::from_str(traces.get()).map_err(malformed)?,
+        None => Vec::new(),
+    };
+    if !traces.is_empty() && traces.len() != block.transactions.len() {
+        return Err(malformed(format!(
+            "{} traces for the {} transactions of block {}",
+            traces.len(),
+            block.transactions.len(),
+            block.hash
+        )));
+    }
+    let mut trace_of: HashMap<B256, &CallFrame> = HashMap::new();
+    for (position, trace) in traces.iter().enumerate() {
+        let hash = trace.tx_hash.unwrap_or(block.transactions[position].hash);
+        if let Some(frame) = &trace.result {
+            trace_of.insert(hash, frame);
+        }
+    }
 
     let mut transfers = Vec::new();
     for tx in &block.transactions {
@@ -137,13 +241,28 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
         if let Some(to) = tx.to.filter(|_| !tx.value.is_zero()) {
             transfers.push(Transfer {
                 tx_hash: hex(tx.hash),
+                kind: DepositKind::Native,
                 output_index: 0,
                 to: hex(to),
                 asset: TransferAsset::Native,
                 amount: tx.value,
+                coinbase: false,
             });
         }
-        for log in &receipt.logs {
+        if let Some(frame) = trace_of.get(&tx.hash) {
+            for (position, to, value) in internal_calls(frame) {
+                transfers.push(Transfer {
+                    tx_hash: hex(tx.hash),
+                    kind: DepositKind::Internal,
+                    output_index: position,
+                    to: hex(to),
+                    asset: TransferAsset::Native,
+                    amount: value,
+                    coinbase: false,
+                });
+            }
+        }
+        for (position, log) in receipt.logs.iter().enumerate() {
             if log.topics.len() != 3 || log.topics[0] != TRANSFER_TOPIC || log.data.len() != 32 {
                 continue;
             }
@@ -152,13 +271,14 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
                 continue;
             }
             let to = Address::from_word(log.topics[2]);
-            let output_index = u32::try_from(log.log_index.to::<u64>()).map_err(malformed)?;
             transfers.push(Transfer {
                 tx_hash: hex(tx.hash),
-                output_index,
+                kind: DepositKind::Log,
+                output_index: u32::try_from(position).map_err(malformed)?,
                 to: hex(to),
                 asset: TransferAsset::Erc20(hex(log.address)),
                 amount,
+                coinbase: false,
             });
         }
     }
@@ -174,6 +294,16 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
 impl ChainReader for EthReader {
     fn chain(&self) -> Chain {
         Chain::Eth
+    }
+
+    async fn identity(&self) -> Result<ChainIdentity, ReadError> {
+        let chain_id: U64 = self.call("eth_chainId", ()).await?;
+        let genesis = self.block_hash(0).await?.ok_or_else(|| malformed("the node has no block 0"))?;
+        Ok(ChainIdentity {
+            network: "ethereum".to_owned(),
+            genesis_hash: genesis,
+            chain_id: Some(chain_id.to::<u64>()),
+        })
     }
 
     async fn tip_height(&self) -> Result<u64, ReadError> {
@@ -192,10 +322,24 @@ impl ChainReader for EthReader {
             return Ok(None);
         }
         let receipts: Box<RawValue> = self.call("eth_getBlockReceipts", (quantity(height),)).await?;
-        let payload = format!("{{\"block\":{},\"receipts\":{}}}", block.get(), receipts.get()).into_bytes();
+        // A node behind a load balancer, or one still indexing, can answer `null` for a block it
+        // has just named: ask again later.
+        if receipts.get() == "null" {
+            return Err(ReadError::Inconsistent { chain: Chain::Eth, height });
+        }
+        let payload = if self.traces {
+            let traces: Box<RawValue> =
+                self.call("debug_traceBlockByNumber", (quantity(height), call_tracer())).await?;
+            format!("{{\"block\":{},\"receipts\":{},\"traces\":{}}}", block.get(), receipts.get(), traces.get())
+        } else {
+            format!("{{\"block\":{},\"receipts\":{}}}", block.get(), receipts.get())
+        }
+        .into_bytes();
         match parse_payload(&payload) {
             // The node reorged between the two calls: the receipts belong to another block.
-            Err(ReadError::Malformed { message, .. }) if message.contains("belongs to block") => {
+            Err(ReadError::Malformed { message, .. })
+                if message.contains("belongs to block") || message.contains("traces for the") =>
+            {
                 Err(ReadError::Inconsistent { chain: Chain::Eth, height })
             }
             Err(other) => Err(other),
@@ -253,17 +397,22 @@ mod tests {
             vec![
                 Transfer {
                     tx_hash: format!("0x{}", "a".repeat(64)),
+                    kind: DepositKind::Native,
                     output_index: 0,
                     to: recipient.clone(),
                     asset: TransferAsset::Native,
                     amount: U256::from(1_000_000_000_000_000_000u64),
+                    coinbase: false,
                 },
                 Transfer {
                     tx_hash: format!("0x{}", "d".repeat(64)),
-                    output_index: 3,
+                    kind: DepositKind::Log,
+                    // the block-wide log index is 3; its position in its own receipt is 0
+                    output_index: 0,
                     to: recipient,
                     asset: TransferAsset::Erc20("0x5fbdb2315678afecb367f032d93f642f64180aa3".into()),
                     amount: U256::from(1_234_567u64),
+                    coinbase: false,
                 },
             ],
             "the reverted 0x5 transfer and the contract creation are not transfers"
@@ -276,5 +425,30 @@ mod tests {
         let payload = format!(r#"{{"block":{BLOCK},"receipts":{receipts}}}"#);
         assert!(matches!(parse_payload(payload.as_bytes()), Err(ReadError::Malformed { .. })));
         assert!(matches!(parse_payload(b"not json"), Err(ReadError::Malformed { .. })));
+    }
+
+    #[test]
+    fn internal_calls_are_numbered_depth_first_and_a_reverted_frame_reverts_its_subtree() {
+        let frame: CallFrame = serde_json::from_str(
+            r#"{"type":"CALL","to":"0x1000000000000000000000000000000000000001","value":"0x9","calls":[
+                 {"type":"CALL","to":"0x2000000000000000000000000000000000000002","value":"0x5"},
+                 {"type":"CALL","to":"0x3000000000000000000000000000000000000003","value":"0x6","error":"execution reverted",
+                  "calls":[{"type":"CALL","to":"0x4000000000000000000000000000000000000004","value":"0x7"}]},
+                 {"type":"STATICCALL","to":"0x5000000000000000000000000000000000000005"},
+                 {"type":"DELEGATECALL","to":"0x6000000000000000000000000000000000000006","value":"0x1"},
+                 {"type":"CALL","to":"0x7000000000000000000000000000000000000007","value":"0x0"},
+                 {"type":"CALL","to":"0x8000000000000000000000000000000000000008","value":"0x8"}]}"#,
+        )
+        .expect("a callTracer frame");
+        let found: Vec<(u32, String, u64)> =
+            internal_calls(&frame).into_iter().map(|(p, to, v)| (p, hex(to), v.to::<u64>())).collect();
+        assert_eq!(
+            found,
+            vec![
+                (1, "0x2000000000000000000000000000000000000002".to_owned(), 5),
+                (7, "0x8000000000000000000000000000000000000008".to_owned(), 8),
+            ],
+            "the top call is the native deposit; the reverted call and its child, value-less and delegate calls are not deposits"
+        );
     }
 }

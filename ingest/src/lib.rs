@@ -17,6 +17,8 @@ pub mod reparse;
 pub mod scanner;
 pub mod sql;
 
-pub use block::{FetchedBlock, Transfer, TransferAsset};
-pub use reader::{ChainReader, ReadError};
-pub use scanner::{AfterStep, NoProgress, Progress, ScanConfig, ScanError, ScanReport, Scanner};
+pub use block::{DepositKind, FetchedBlock, Transfer, TransferAsset};
+pub use reader::{ChainIdentity, ChainReader, ReadError};
+pub use scanner::{
+    AfterStep, NoProgress, Progress, ScanConfig, ScanError, ScanReport, Scanner, ScannerState, StateHandle,
+};

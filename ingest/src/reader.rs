@@ -36,6 +36,15 @@ pub enum ReadError {
         /// What was wrong.
         message: String,
     },
+    /// The node serves another network than configured, or lacks an API the configuration
+    /// needs: never scanned.
+    #[error("{chain} node refused: {message}")]
+    WrongNetwork {
+        /// Which chain.
+        chain: Chain,
+        /// What differs.
+        message: String,
+    },
     /// The node changed its chain between two calls for one block; fetch again.
     #[error("{chain} node changed its chain while block {height} was being read")]
     Inconsistent {
@@ -53,10 +62,34 @@ impl ReadError {
     }
 }
 
+/// Which network a node serves: recorded on the first scan, checked by every scanner and worker.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChainIdentity {
+    /// BTC: Bitcoin Core's `chain` (`main`, `test`, `testnet4`, `signet`, `regtest`); ETH: `ethereum`.
+    pub network: String,
+    /// The genesis block's hash in the chain's stored form.
+    pub genesis_hash: String,
+    /// ETH: `eth_chainId`.
+    pub chain_id: Option<u64>,
+}
+
+impl std::fmt::Display for ChainIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "network {}, genesis {}", self.network, self.genesis_hash)?;
+        if let Some(id) = self.chain_id {
+            write!(f, ", chain id {id}")?;
+        }
+        Ok(())
+    }
+}
+
 /// A source of blocks for one chain.
 pub trait ChainReader: Send + Sync {
     /// The chain this reader serves.
     fn chain(&self) -> Chain;
+
+    /// The node's network, genesis block and (ETH) chain id.
+    fn identity(&self) -> impl Future<Output = Result<ChainIdentity, ReadError>> + Send;
 
     /// The node's current tip height.
     fn tip_height(&self) -> impl Future<Output = Result<u64, ReadError>> + Send;

@@ -9,7 +9,7 @@ use futures::{StreamExt, TryStreamExt};
 
 use crate::block::{FetchedBlock, TransferAsset};
 use crate::reader::{ChainReader, ReadError};
-use crate::sql::{self, DepositRow, IngestError};
+use crate::sql::{self, DepositRow, IngestError, LeaseId, Orphaned};
 
 /// How the scanner paces itself. Every limit is bounded.
 #[derive(Debug, Clone)]
@@ -31,6 +31,8 @@ pub struct ScanConfig {
     pub max_backoff: Duration,
     /// Wait between polls once caught up (continuous mode).
     pub poll_interval: Duration,
+    /// How often a standby asks for the lease.
+    pub lease_poll: Duration,
 }
 
 impl Default for ScanConfig {
@@ -44,11 +46,13 @@ impl Default for ScanConfig {
             initial_backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
+            lease_poll: Duration::from_secs(1),
         }
     }
 }
 
-/// Why the scanner stopped.
+/// Why a scan step failed. In continuous mode only [`ScanError::is_fatal`] errors stop the
+/// scanner; everything else is retried with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum ScanError {
     /// The node kept failing past the retry budget.
@@ -77,12 +81,142 @@ pub enum ScanError {
         /// Lowest height compared.
         lowest_checked: u64,
     },
-    /// A previously orphaned block is canonical again.
-    #[error("ALERT: {0}; scanner stopped for an operator")]
-    Reinstated(IngestError),
+    /// The node serves another chain than the one this database records.
+    #[error("ALERT: {chain} node refused: {message}; nothing was written")]
+    WrongChain {
+        /// Chain.
+        chain: Chain,
+        /// What differs.
+        message: String,
+    },
+    /// The node contradicts itself: the block it serves at `height` does not extend the block it
+    /// reports at `height - 1`, and walking back orphans nothing (a load balancer in front of two
+    /// nodes, a node mid-rewind). Retried with backoff, never spun on.
+    #[error("ALERT: {chain} node is inconsistent: its block {height} does not extend the block it reports at {below}")]
+    NodeInconsistent {
+        /// Chain.
+        chain: Chain,
+        /// The block whose parent does not match.
+        height: u64,
+        /// The height below it.
+        below: u64,
+    },
+    /// Another scanner holds the chain's lease (one-shot scans do not wait for it).
+    #[error("another {chain} scanner holds the lease (database backend {pid:?}); it is scanning this chain already")]
+    LeaseHeld {
+        /// Chain.
+        chain: Chain,
+        /// Backend of the holder, if still visible.
+        pid: Option<i32>,
+    },
+    /// The lease's session ended or another scanner took over mid-step; nothing was written.
+    #[error("{chain} scanner lease lost")]
+    LeaseLost {
+        /// Chain.
+        chain: Chain,
+    },
     /// The database failed.
     #[error("database error: {0}")]
     Database(String),
+}
+
+impl ScanError {
+    /// Only a refused chain identity and a fork deeper than the window stop a scanner for good.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, ScanError::DeepReorg { .. } | ScanError::WrongChain { .. })
+    }
+
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ScanError::NodeUnavailable { .. } => "node_unavailable",
+            ScanError::Read(_) => "node_answer",
+            ScanError::DeepReorg { .. } => "deep_reorg",
+            ScanError::WrongChain { .. } => "wrong_chain",
+            ScanError::NodeInconsistent { .. } => "node_inconsistent",
+            ScanError::LeaseHeld { .. } | ScanError::LeaseLost { .. } => "lease",
+            ScanError::Database(_) => "database",
+        }
+    }
+}
+
+impl From<IngestError> for ScanError {
+    fn from(e: IngestError) -> Self {
+        match e {
+            IngestError::LeaseLost { chain } => ScanError::LeaseLost { chain },
+            IngestError::Database { source, .. } => source.into(),
+            other => ScanError::Database(other.to_string()),
+        }
+    }
+}
+
+/// What a scanner is doing, as `/healthz` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScannerState {
+    /// Not started yet.
+    Starting,
+    /// Waiting for the lease another scanner holds.
+    Standby {
+        /// The holder's database backend.
+        holder: Option<i32>,
+    },
+    /// Working normally.
+    Scanning,
+    /// Failing transiently since `since`, retried with backoff.
+    Retrying {
+        /// First failure of this run of failures.
+        since: std::time::SystemTime,
+        /// The latest failure.
+        reason: String,
+    },
+    /// Stopped for good (refused chain identity, fork deeper than the window).
+    Stopped {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl ScannerState {
+    /// One line for people: `scanning`, `retrying since …: reason`, `stopped: reason`.
+    pub fn describe(&self) -> String {
+        match self {
+            ScannerState::Starting => "starting".to_owned(),
+            ScannerState::Standby { holder } => match holder {
+                Some(pid) => format!("standby (the lease is held by database backend {pid})"),
+                None => "standby".to_owned(),
+            },
+            ScannerState::Scanning => "scanning".to_owned(),
+            ScannerState::Retrying { since, reason } => {
+                let unix = since.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                let ago = since.elapsed().map_or(0, |d| d.as_secs());
+                format!("retrying since unix time {unix} ({ago} s ago): {reason}")
+            }
+            ScannerState::Stopped { reason } => format!("stopped: {reason}"),
+        }
+    }
+
+    /// Whether the scanner stopped for good.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self, ScannerState::Stopped { .. })
+    }
+}
+
+/// A scanner's state, shared with whoever reports it.
+pub type StateHandle = std::sync::Arc<std::sync::Mutex<ScannerState>>;
+
+/// A held scanner lease: a pooled session holding the chain's advisory lock. Dropping it closes
+/// the session (rather than pooling it), which releases the lock.
+struct Lease {
+    client: Option<deadpool_postgres::Object>,
+    id: LeaseId,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
 }
 
 impl From<tokio_postgres::Error> for ScanError {
@@ -108,6 +242,8 @@ pub struct ScanReport {
     pub reorgs: u64,
     /// Blocks orphan-marked.
     pub orphaned: u64,
+    /// Blocks orphaned earlier that came back.
+    pub reinstated: u64,
     /// Our tip at the end, if any block is held.
     pub our_tip: Option<u64>,
     /// The node's tip as last seen.
@@ -143,23 +279,56 @@ pub struct Scanner<R> {
     /// The next batch (its first height and blocks), fetched while the previous one was being
     /// stored, so that the node (or the reader's decoding) and the database work at once.
     prefetched: std::sync::Mutex<Option<(u64, Vec<FetchedBlock>)>>,
+    /// The chain's lease, while this scanner holds it.
+    lease: tokio::sync::Mutex<Option<Lease>>,
+    state: StateHandle,
 }
 
 enum Step {
     CaughtUp,
     Stored,
+    Standby(Option<i32>),
 }
 
 impl<R: ChainReader> Scanner<R> {
     /// A scanner reading from `reader` into `pool`.
     pub fn new(reader: R, pool: Pool, config: ScanConfig) -> Self {
-        Scanner { reader, pool, config, after_step: None, prefetched: std::sync::Mutex::new(None) }
+        Scanner {
+            reader,
+            pool,
+            config,
+            after_step: None,
+            prefetched: std::sync::Mutex::new(None),
+            lease: tokio::sync::Mutex::new(None),
+            state: std::sync::Arc::new(std::sync::Mutex::new(ScannerState::Starting)),
+        }
     }
 
     /// Runs `hook` after every step that stored blocks or handled a reorg.
     pub fn with_after_step(mut self, hook: std::sync::Arc<dyn AfterStep>) -> Self {
         self.after_step = Some(hook);
         self
+    }
+
+    /// Reports the scanner's state into `state`.
+    pub fn with_state(mut self, state: StateHandle) -> Self {
+        self.state = state;
+        self
+    }
+
+    /// The scanner's state.
+    pub fn state(&self) -> StateHandle {
+        self.state.clone()
+    }
+
+    fn set_state(&self, state: ScannerState) {
+        let chain = self.chain().as_str();
+        metrics::gauge!("custodian_scanner_up", "chain" => chain).set(if matches!(state, ScannerState::Scanning) {
+            1.0
+        } else {
+            0.0
+        });
+        *self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = state;
     }
 
     async fn stepped(&self) {
@@ -173,16 +342,31 @@ impl<R: ChainReader> Scanner<R> {
         self.reader.chain()
     }
 
-    /// Scans until our cursor passes the node's tip, then returns.
+    /// Scans until our cursor passes the node's tip, then returns. Fails at once if another
+    /// scanner holds the chain's lease.
     pub async fn run_to_tip(&self, progress: &dyn Progress) -> Result<ScanReport, ScanError> {
         let mut report = ScanReport::default();
         let started = Instant::now();
-        while let Step::Stored = self.step(&mut report, progress, started, Some(self.config.max_retries)).await? {}
-        report.our_tip = sql::our_tip(&self.pool.get().await?, self.chain()).await?.map(|(h, _)| h);
-        Ok(report)
+        let outcome = async {
+            loop {
+                match self.leased_step(&mut report, progress, started).await? {
+                    Step::Stored => {}
+                    Step::CaughtUp => break,
+                    Step::Standby(pid) => return Err(ScanError::LeaseHeld { chain: self.chain(), pid }),
+                }
+            }
+            report.our_tip = sql::our_tip(&self.pool.get().await?, self.chain()).await?.map(|(h, _)| h);
+            Ok(report)
+        }
+        .await;
+        self.lease.lock().await.take();
+        outcome
     }
 
-    /// Scans forever (node failures are retried without limit) until `shutdown` turns true.
+    /// Scans until `shutdown` turns true: as the chain's one scanner while it holds the lease, as
+    /// a standby while another does. Transient failures (node, database, an inconsistent node,
+    /// a lost lease) are retried with exponential backoff and jitter and reported in the state
+    /// and metrics; only a refused chain identity or a fork deeper than the window stops it.
     /// Stops only between batches, never inside a database transaction.
     pub async fn run(
         &self,
@@ -191,23 +375,125 @@ impl<R: ChainReader> Scanner<R> {
     ) -> Result<ScanReport, ScanError> {
         let mut report = ScanReport::default();
         let started = Instant::now();
+        let mut backoff = self.config.initial_backoff;
+        let mut failing_since = None;
+        let chain = self.chain();
         while !*shutdown.borrow() {
             let step = tokio::select! {
-                step = self.step(&mut report, progress, started, None) => step?,
+                step = self.leased_step(&mut report, progress, started) => step,
                 _ = shutdown.changed() => break,
             };
-            if let Step::CaughtUp = step {
-                tokio::select! {
-                    _ = tokio::time::sleep(self.config.poll_interval) => {}
-                    _ = shutdown.changed() => {}
+            let wait = match step {
+                Ok(step) => {
+                    backoff = self.config.initial_backoff;
+                    failing_since = None;
+                    match step {
+                        Step::Stored => {
+                            self.set_state(ScannerState::Scanning);
+                            continue;
+                        }
+                        Step::CaughtUp => {
+                            self.set_state(ScannerState::Scanning);
+                            self.config.poll_interval
+                        }
+                        Step::Standby(holder) => {
+                            self.set_state(ScannerState::Standby { holder });
+                            self.config.lease_poll
+                        }
+                    }
                 }
+                Err(e) if e.is_fatal() => {
+                    tracing::error!(%chain, "{e}");
+                    self.set_state(ScannerState::Stopped { reason: e.to_string() });
+                    self.lease.lock().await.take();
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.prefetched.lock().expect("BUG: prefetch lock poisoned").take();
+                    if matches!(e, ScanError::LeaseLost { .. }) {
+                        self.lease.lock().await.take();
+                    }
+                    let since = *failing_since.get_or_insert_with(std::time::SystemTime::now);
+                    metrics::counter!("custodian_scanner_retries_total", "chain" => chain.as_str(), "reason" => e.label())
+                        .increment(1);
+                    let wait = jittered(backoff);
+                    tracing::warn!(%chain, retry_in_ms = wait.as_millis() as u64, "scan step failed, retrying: {e}");
+                    self.set_state(ScannerState::Retrying { since, reason: e.to_string() });
+                    backoff = (backoff * 2).min(self.config.max_backoff);
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.changed() => {}
             }
         }
+        self.lease.lock().await.take();
         Ok(report)
     }
 
-    /// Calls the node, retrying transient failures with exponential backoff.
-    async fn with_retry<T, F, Fut>(&self, what: &str, budget: Option<u32>, mut call: F) -> Result<T, ScanError>
+    /// Takes (or checks) the lease, checks the node's identity once per lease, then steps.
+    async fn leased_step(
+        &self,
+        report: &mut ScanReport,
+        progress: &dyn Progress,
+        started: Instant,
+    ) -> Result<Step, ScanError> {
+        let mut held = self.lease.lock().await;
+        if let Some(lease) = held.as_ref() {
+            let client = lease.client.as_ref().expect("BUG: a lease without its session");
+            if client.query_one("select 1", &[]).await.is_err() {
+                held.take();
+                return Err(ScanError::LeaseLost { chain: self.chain() });
+            }
+        }
+        if held.is_none() {
+            let client = self.pool.get().await?;
+            let (class, object) = (sql::LEASE_CLASS, sql::lease_object(self.chain()));
+            let row =
+                client.query_one("select pg_try_advisory_lock($1, $2), pg_backend_pid()", &[&class, &object]).await?;
+            if !row.get::<_, bool>(0) {
+                let holder = sql::lease_holder(&client, self.chain()).await?;
+                return Ok(Step::Standby(holder));
+            }
+            let lease = Lease { client: Some(client), id: LeaseId { chain: self.chain(), pid: row.get(1) } };
+            // A new holder starts from what the database says, not from a batch fetched before.
+            self.prefetched.lock().expect("BUG: prefetch lock poisoned").take();
+            tracing::info!(chain = %self.chain(), backend = lease.id.pid, "took the scanner lease");
+            self.check_identity().await?;
+            *held = Some(lease);
+        }
+        let lease = held.as_ref().expect("BUG: lease taken above").id;
+        drop(held);
+        self.step(lease, report, progress, started).await
+    }
+
+    /// Records the node's identity on the first scan; refuses a node whose identity differs.
+    /// Nothing is written before this check passes.
+    async fn check_identity(&self) -> Result<(), ScanError> {
+        let chain = self.chain();
+        let theirs = match self.with_retry("reading the node's identity", || self.reader.identity()).await {
+            Err(ScanError::Read(ReadError::WrongNetwork { message, .. })) => {
+                return Err(ScanError::WrongChain { chain, message })
+            }
+            other => other?,
+        };
+        let client = self.pool.get().await?;
+        let ours = match sql::chain_identity(&client, chain).await? {
+            Some(ours) => ours,
+            None => sql::record_identity(&client, chain, &theirs).await?,
+        };
+        if ours != theirs {
+            return Err(ScanError::WrongChain {
+                chain,
+                message: format!("this database scans {ours}; the node serves {theirs}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Calls the node, retrying transient failures with exponential backoff up to the budget.
+    async fn with_retry<T, F, Fut>(&self, what: &str, mut call: F) -> Result<T, ScanError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, ReadError>>,
@@ -219,44 +505,51 @@ impl<R: ChainReader> Scanner<R> {
             match call().await {
                 Ok(value) => return Ok(value),
                 Err(e) if !e.is_transient() => return Err(ScanError::Read(e)),
-                Err(e) if budget.is_some_and(|b| attempts >= b) => {
+                Err(e) if attempts >= self.config.max_retries.max(1) => {
                     return Err(ScanError::NodeUnavailable { attempts, last: e })
                 }
                 Err(e) => {
-                    tracing::warn!(chain = %self.chain(), attempt = attempts, retry_in_ms = backoff.as_millis() as u64,
+                    tracing::debug!(chain = %self.chain(), attempt = attempts, retry_in_ms = backoff.as_millis() as u64,
                         "{what} failed, retrying: {e}");
-                    tokio::time::sleep(backoff).await;
+                    tokio::time::sleep(jittered(backoff)).await;
                     backoff = (backoff * 2).min(self.config.max_backoff);
                 }
             }
         }
     }
 
+    fn record_lag(&self, node_tip: u64, our_tip: Option<u64>) {
+        let lag = match our_tip {
+            Some(ours) => node_tip.saturating_sub(ours),
+            None => node_tip.saturating_add(1).saturating_sub(self.config.start_height),
+        };
+        metrics::gauge!("custodian_scanner_lag_blocks", "chain" => self.chain().as_str()).set(lag as f64);
+    }
+
     async fn step(
         &self,
+        lease: LeaseId,
         report: &mut ScanReport,
         progress: &dyn Progress,
         started: Instant,
-        budget: Option<u32>,
     ) -> Result<Step, ScanError> {
         let chain = self.chain();
         let cursor = {
             let client = self.pool.get().await?;
             sql::init_cursor(&client, chain, self.config.start_height).await?
         };
-        let node_tip = self.with_retry("reading the node's tip", budget, || self.reader.tip_height()).await?;
+        let node_tip = self.with_retry("reading the node's tip", || self.reader.tip_height()).await?;
         report.node_tip = node_tip;
         metrics::gauge!("custodian_scanner_node_tip", "chain" => chain.as_str()).set(node_tip as f64);
         if cursor > node_tip {
-            metrics::gauge!("custodian_scanner_lag_blocks", "chain" => chain.as_str()).set(0.0);
-            return self.check_tip(node_tip, report, budget).await;
+            return self.check_tip(lease, node_tip, report).await;
         }
         let end = node_tip.min(cursor + self.config.batch_blocks - 1);
         let prefetched = self.prefetched.lock().expect("BUG: prefetch lock poisoned").take();
         let blocks = match prefetched {
             // Checked like any other batch: its first parent against our block below the cursor.
             Some((from, blocks)) if from == cursor && !blocks.is_empty() => blocks,
-            _ => self.with_retry("fetching blocks", budget, || self.fetch_range(cursor, end)).await?,
+            _ => self.with_retry("fetching blocks", || self.fetch_range(cursor, end)).await?,
         };
         if blocks.is_empty() {
             return Ok(Step::CaughtUp);
@@ -280,7 +573,7 @@ impl<R: ChainReader> Scanner<R> {
             self.fetch_range(next_from, next_to).await.ok()
         };
         let (stored, next) = futures::join!(
-            sql::ingest_batch(client, chain, &blocks, &deposits, self.config.retention_blocks),
+            sql::ingest_batch(client, chain, lease, &blocks, &deposits, self.config.retention_blocks),
             prefetch
         );
         match stored {
@@ -290,15 +583,21 @@ impl<R: ChainReader> Scanner<R> {
                 }
                 report.blocks += outcome.blocks_inserted;
                 report.deposits += outcome.deposits_inserted;
+                report.reinstated += outcome.reinstated;
                 if outcome.orphaned > 0 {
                     report.reorgs += 1;
                     report.orphaned += outcome.orphaned;
                     record_reorg(chain, outcome.orphaned);
                 }
+                if outcome.reinstated > 0 {
+                    metrics::counter!("custodian_blocks_reinstated_total", "chain" => chain.as_str())
+                        .increment(outcome.reinstated);
+                    tracing::warn!(%chain, reinstated = outcome.reinstated,
+                        "blocks orphaned earlier are on the node's chain again: reinstated, their deposits count again");
+                }
                 let height = blocks.last().expect("BUG: empty batch ingested").height;
                 metrics::gauge!("custodian_scanner_height", "chain" => chain.as_str()).set(height as f64);
-                metrics::gauge!("custodian_scanner_lag_blocks", "chain" => chain.as_str())
-                    .set(node_tip.saturating_sub(height) as f64);
+                self.record_lag(node_tip, Some(height));
                 metrics::counter!("custodian_deposits_observed_total", "chain" => chain.as_str())
                     .increment(outcome.deposits_inserted);
                 progress.batch_done(chain, height, node_tip, report, started.elapsed());
@@ -306,33 +605,34 @@ impl<R: ChainReader> Scanner<R> {
                 Ok(Step::Stored)
             }
             Err(IngestError::ParentMismatch { height, .. }) => {
-                self.reconcile(height, report, budget).await?;
+                self.reconcile(lease, height, report).await?;
                 self.stepped().await;
                 Ok(Step::Stored)
             }
             Err(IngestError::CursorMoved { expected, found, .. }) => {
-                tracing::warn!(%chain, expected, ?found, "cursor moved under us (another scanner?); re-reading");
+                tracing::warn!(%chain, expected, ?found, "cursor moved under us (a rewind?); re-reading");
                 Ok(Step::Stored)
             }
-            Err(e @ IngestError::Reinstated { .. }) => Err(ScanError::Reinstated(e)),
-            Err(IngestError::Database { source, .. }) => Err(source.into()),
+            Err(e) => Err(e.into()),
         }
     }
 
     /// Caught up: a reorg that replaced our tip without lengthening the chain shows only as a
     /// different hash at our tip's height. A node that lacks that height (lagging, resyncing) says
     /// nothing about it and moves nothing.
-    async fn check_tip(&self, node_tip: u64, report: &mut ScanReport, budget: Option<u32>) -> Result<Step, ScanError> {
-        let Some((our_tip, ours)) = sql::our_tip(&self.pool.get().await?, self.chain()).await? else {
+    async fn check_tip(&self, lease: LeaseId, node_tip: u64, report: &mut ScanReport) -> Result<Step, ScanError> {
+        let ours = sql::our_tip(&self.pool.get().await?, self.chain()).await?;
+        self.record_lag(node_tip, ours.as_ref().map(|(h, _)| *h));
+        let Some((our_tip, ours)) = ours else {
             return Ok(Step::CaughtUp);
         };
         if our_tip > node_tip {
             return Ok(Step::CaughtUp);
         }
-        let theirs = self.with_retry("checking our tip", budget, || self.reader.block_hash(our_tip)).await?;
+        let theirs = self.with_retry("checking our tip", || self.reader.block_hash(our_tip)).await?;
         match theirs {
             Some(theirs) if theirs != ours => {
-                self.reconcile(our_tip, report, budget).await?;
+                self.reconcile(lease, our_tip + 1, report).await?;
                 self.stepped().await;
                 Ok(Step::Stored)
             }
@@ -359,21 +659,18 @@ impl<R: ChainReader> Scanner<R> {
     }
 
     /// Walks back from our tip comparing hashes with the node, orphan-marks what diverged and
-    /// moves the cursor to just above the fork point. All node calls happen before the one
-    /// transaction that marks.
-    async fn reconcile(
-        &self,
-        mismatch_height: u64,
-        report: &mut ScanReport,
-        budget: Option<u32>,
-    ) -> Result<(), ScanError> {
+    /// moves the cursor to just above the fork point, under the lease and only if our tip is
+    /// still the one compared. All node calls happen before the one transaction that marks. A
+    /// walk-back that finds our tip on the node's chain orphans nothing: the node contradicted
+    /// itself, which is reported (and backed off from), never spun on.
+    async fn reconcile(&self, lease: LeaseId, mismatch_height: u64, report: &mut ScanReport) -> Result<(), ScanError> {
         let chain = self.chain();
         let window = self.config.retention_blocks;
         let ours = sql::canonical_desc(&self.pool.get().await?, chain, window + 1).await?;
-        let Some(&(our_tip, _)) = ours.first() else { return Ok(()) };
+        let Some((our_tip, tip_hash)) = ours.first().cloned() else { return Ok(()) };
         let mut fork = None;
         for (height, hash) in &ours {
-            let theirs = self.with_retry("comparing block hashes", budget, || self.reader.block_hash(*height)).await?;
+            let theirs = self.with_retry("comparing block hashes", || self.reader.block_hash(*height)).await?;
             if theirs.as_deref() == Some(hash.as_str()) {
                 fork = Some(*height);
                 break;
@@ -383,10 +680,33 @@ impl<R: ChainReader> Scanner<R> {
         if fork.is_none() && ours.len() as u64 > window {
             return Err(ScanError::DeepReorg { chain, window, our_tip, lowest_checked: lowest });
         }
+        if fork == Some(our_tip) {
+            metrics::counter!("custodian_scanner_node_inconsistencies_total", "chain" => chain.as_str()).increment(1);
+            return Err(ScanError::NodeInconsistent { chain, height: mismatch_height, below: our_tip });
+        }
         // Everything we hold diverges but we hold less than the window: the fork is below our
         // first block, which is where scanning started.
         let fork_height = fork.or_else(|| lowest.checked_sub(1));
-        let orphaned = sql::orphan_above(&mut self.pool.get().await?, chain, fork_height).await?;
+        let reason = format!(
+            "reorg: the node's chain leaves ours above height {}",
+            fork_height.map_or("-1".to_owned(), |h| h.to_string())
+        );
+        let orphaned = match sql::orphan_above(
+            &mut self.pool.get().await?,
+            chain,
+            lease,
+            fork_height,
+            &tip_hash,
+            &reason,
+        )
+        .await?
+        {
+            Orphaned::Blocks(n) => n,
+            Orphaned::TipMoved => {
+                tracing::warn!(%chain, "our tip moved during the walk-back; comparing again");
+                return Ok(());
+            }
+        };
         report.reorgs += 1;
         report.orphaned += orphaned;
         record_reorg(chain, orphaned);
@@ -394,6 +714,14 @@ impl<R: ChainReader> Scanner<R> {
             "reorg: orphan-marked {orphaned} blocks above the fork point; re-scanning from there");
         Ok(())
     }
+}
+
+/// `base` plus up to half of it again, at random: retries of many scanners never line up.
+fn jittered(base: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    let half = u64::try_from(base.as_millis() / 2).unwrap_or(u64::MAX).max(1);
+    base + Duration::from_millis(random % half)
 }
 
 fn record_reorg(chain: Chain, depth: u64) {
@@ -422,7 +750,9 @@ pub fn deposits_in(
             Some(DepositRow {
                 block_hash: block.hash.clone(),
                 tx_hash: t.tx_hash.clone(),
+                kind: t.kind,
                 output_index: t.output_index,
+                coinbase: t.coinbase,
                 address: t.to.clone(),
                 asset,
                 amount: t.amount.to_string(),

@@ -8,7 +8,8 @@ use custodian_store::pipeline::{Params, Pipelined};
 use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
-use crate::block::FetchedBlock;
+use crate::block::{DepositKind, FetchedBlock};
+use crate::reader::ChainIdentity;
 
 /// A deposit the scanner is about to record: a transfer to a watched address in a known asset.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,8 +18,12 @@ pub struct DepositRow {
     pub block_hash: String,
     /// Transaction hash.
     pub tx_hash: String,
-    /// vout or log index.
+    /// Where in the transaction the money was found.
+    pub kind: DepositKind,
+    /// Stable index within the transaction for that kind.
     pub output_index: u32,
+    /// A BTC coinbase output.
+    pub coinbase: bool,
     /// Watched recipient.
     pub address: String,
     /// Asset key.
@@ -36,6 +41,8 @@ pub struct IngestOutcome {
     pub deposits_inserted: u64,
     /// Canonical blocks orphan-marked because the node now has another block at their height.
     pub orphaned: u64,
+    /// Blocks orphaned earlier that the node's chain contains again.
+    pub reinstated: u64,
 }
 
 /// Why a batch was not ingested. The transaction was rolled back; nothing was written.
@@ -63,14 +70,11 @@ pub enum IngestError {
         /// Our canonical block at `height - 1`.
         ours: String,
     },
-    /// A block we orphaned earlier is canonical again. The one-time orphan mark cannot be undone,
-    /// so this needs an operator; the scanner stops rather than guess.
-    #[error("{chain} block {hash} was orphaned earlier and the node now has it on its best chain again")]
-    Reinstated {
+    /// This scanner no longer holds the chain's lease (its session ended, another took over).
+    #[error("{chain} scanner lease lost: another scanner may hold it now")]
+    LeaseLost {
         /// Chain.
         chain: Chain,
-        /// The block.
-        hash: String,
     },
     /// The database failed.
     #[error("database error while ingesting {chain} blocks: {source}")]
@@ -161,14 +165,30 @@ pub async fn registered_tokens<C: GenericClient>(client: &C) -> Result<HashMap<S
 const LOCK_CURSOR: &str = "select next_height from scan_cursor where chain = $1 for update";
 
 /// Orphans canonical blocks at or above the first height where the batch brings a different
-/// block. Only reached after the parent check passed, so the batch extends our chain below it.
+/// block, by appending an `orphaned` verdict to each (the verdict trigger moves `orphaned_at`).
+/// Only reached after the parent check passed, so the batch extends our chain below it.
 const ORPHAN_REPLACED: &str = "
-update chain_block c set orphaned_at = now()
+insert into block_verdict (chain, block_hash, seq, verdict, reason)
+select c.chain, c.block_hash,
+       coalesce((select max(v.seq) from block_verdict v where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
+       'orphaned', $4
+  from chain_block c
  where c.chain = $1 and c.orphaned_at is null
    and c.height >= (select min(n.height)
                       from unnest($2::bigint[], $3::text[]) as n(height, block_hash)
                       join chain_block o on o.chain = $1 and o.height = n.height
                                         and o.orphaned_at is null and o.block_hash <> n.block_hash)";
+
+/// Blocks of the batch we orphaned earlier are on the node's chain again: a `reinstated` verdict
+/// each. Runs after [`ORPHAN_REPLACED`] has orphaned their rivals, so one block per height stays
+/// canonical.
+const REINSTATE: &str = "
+insert into block_verdict (chain, block_hash, seq, verdict, reason)
+select c.chain, c.block_hash,
+       coalesce((select max(v.seq) from block_verdict v where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
+       'reinstated', $3
+  from chain_block c
+ where c.chain = $1 and c.block_hash = any($2::text[]) and c.orphaned_at is not null";
 
 const INSERT_BLOCKS: &str = "
 insert into chain_block (chain, height, block_hash, parent_hash)
@@ -177,15 +197,14 @@ select $1, n.height, n.block_hash, n.parent_hash
 on conflict (chain, block_hash) do nothing";
 
 /// The cursor (locked), our canonical block just below the batch ($2, null below height 0), and
-/// any block of the batch ($3) that we orphaned before, in one statement. The last can be asked
-/// before the writes: orphaning what the batch replaces never touches the batch's own blocks,
-/// whose parents differ from the replaced ones'.
+/// whether this session's lease ($3, $4, held by backend $5) is still held, in one statement.
 const OPEN_BATCH: &str = "
 with cursor as (select next_height from scan_cursor where chain = $1 for update)
 select (select next_height from cursor),
        (select block_hash from chain_block where chain = $1 and height = $2 and orphaned_at is null),
-       (select block_hash from chain_block where chain = $1 and block_hash = any($3::text[]) and orphaned_at is not null
-         limit 1)";
+       exists (select 1 from pg_locks l
+                where l.locktype = 'advisory' and l.classid = $3::int::oid and l.objid = $4::int::oid
+                  and l.objsubid = 2 and l.pid = $5 and l.granted)";
 
 const INSERT_RAW: &str = "
 insert into raw_block (chain, block_hash, payload)
@@ -193,11 +212,11 @@ select $1, n.block_hash, n.payload from unnest($2::text[], $3::bytea[]) as n(blo
 on conflict (chain, block_hash) do nothing";
 
 const INSERT_DEPOSITS: &str = "
-insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
-select $1, n.block_hash, n.tx_hash, n.output_index, n.address, n.asset, n.amount::numeric(78,0)
-  from unnest($2::text[], $3::text[], $4::int[], $5::text[], $6::text[], $7::text[])
-       as n(block_hash, tx_hash, output_index, address, asset, amount)
-on conflict (chain, tx_hash, output_index, block_hash) do nothing";
+insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, coinbase, address, asset, amount)
+select $1, n.block_hash, n.tx_hash, n.kind, n.output_index, n.coinbase, n.address, n.asset, n.amount::numeric(78,0)
+  from unnest($2::text[], $3::text[], $4::text[], $5::int[], $6::bool[], $7::text[], $8::text[], $9::text[])
+       as n(block_hash, tx_hash, kind, output_index, coinbase, address, asset, amount)
+on conflict (chain, tx_hash, kind, output_index, block_hash) do nothing";
 
 const ADVANCE_CURSOR: &str = "update scan_cursor set next_height = $2, updated_at = now() where chain = $1";
 
@@ -217,6 +236,7 @@ delete from raw_block r using chain_block b
 pub async fn ingest_batch(
     client: deadpool_postgres::Object,
     chain: Chain,
+    lease: LeaseId,
     blocks: &[FetchedBlock],
     deposits: &[DepositRow],
     retention_blocks: u64,
@@ -235,9 +255,10 @@ pub async fn ingest_batch(
     let horizon: Option<i64> = last.height.checked_sub(retention_blocks).map(height_i64);
 
     // Prepared once per connection: no statement costs a round trip of its own after the first.
-    let (open, orphan, insert_blocks, insert_raw, insert_deposits, advance, prune) = futures::try_join!(
+    let (open, orphan, reinstate, insert_blocks, insert_raw, insert_deposits, advance, prune) = futures::try_join!(
         client.prepare_cached(OPEN_BATCH),
         client.prepare_cached(ORPHAN_REPLACED),
+        client.prepare_cached(REINSTATE),
         client.prepare_cached(INSERT_BLOCKS),
         client.prepare_cached(INSERT_RAW),
         client.prepare_cached(INSERT_DEPOSITS),
@@ -247,17 +268,24 @@ pub async fn ingest_batch(
     .map_err(db)?;
 
     // First round trip: BEGIN, the cursor lock and the checks.
-    let (tx, rows) = Pipelined::begin_with(client, &open, &[&name, &below, &hashes]).await.map_err(db)?;
+    let (class, object) = lease.key();
+    let (tx, rows) =
+        Pipelined::begin_with(client, &open, &[&name, &below, &class, &object, &lease.pid]).await.map_err(db)?;
     let row = rows.first().expect("BUG: a scalar select returned no row");
     let found = row.get::<_, Option<i64>>(0).map(height_u64);
     let ours: Option<String> = row.get(1);
-    let reinstated: Option<String> = row.get(2);
-    let refused = if found != Some(first.height) {
+    let leased: bool = row.get(2);
+    let refused = if !leased {
+        Some(IngestError::LeaseLost { chain })
+    } else if found != Some(first.height) {
         Some(IngestError::CursorMoved { chain, expected: first.height, found })
-    } else if let Some(ours) = ours.filter(|ours| *ours != first.parent_hash) {
-        Some(IngestError::ParentMismatch { chain, height: first.height, parent: first.parent_hash.clone(), ours })
     } else {
-        reinstated.map(|hash| IngestError::Reinstated { chain, hash })
+        ours.filter(|ours| *ours != first.parent_hash).map(|ours| IngestError::ParentMismatch {
+            chain,
+            height: first.height,
+            parent: first.parent_hash.clone(),
+            ours,
+        })
     };
     if let Some(refused) = refused {
         tx.rollback().await.map_err(db)?;
@@ -265,13 +293,17 @@ pub async fn ingest_batch(
     }
 
     // Second round trip: every write and COMMIT.
-    let orphan_params: [&(dyn ToSql + Sync); 3] = [&name, &heights, &hashes];
+    let orphan_reason = format!("the node's chain has another block at this height (batch from {})", first.height);
+    let reinstate_reason = format!("the node's chain contains this block again (batch from {})", first.height);
+    let orphan_params: [&(dyn ToSql + Sync); 4] = [&name, &heights, &hashes, &orphan_reason];
+    let reinstate_params: [&(dyn ToSql + Sync); 3] = [&name, &hashes, &reinstate_reason];
     let block_params: [&(dyn ToSql + Sync); 4] = [&name, &heights, &hashes, &parents];
     let raw_params: [&(dyn ToSql + Sync); 3] = [&name, &hashes, &payloads];
     let advance_params: [&(dyn ToSql + Sync); 2] = [&name, &next_height];
     let prune_params: [&(dyn ToSql + Sync); 2] = [&name, &horizon];
     let mut writes: Vec<(&tokio_postgres::Statement, Params<'_>)> = vec![
         (&orphan, &orphan_params),
+        (&reinstate, &reinstate_params),
         (&insert_blocks, &block_params),
         (&insert_raw, &raw_params),
         (&insert_deposits, &deposit_params),
@@ -281,32 +313,145 @@ pub async fn ingest_batch(
         writes.push((&prune, &prune_params));
     }
     let affected = tx.commit_with(&writes).await.map_err(db)?;
-    Ok(IngestOutcome { orphaned: affected[0], blocks_inserted: affected[1], deposits_inserted: affected[3] })
+    Ok(IngestOutcome {
+        orphaned: affected[0],
+        reinstated: affected[1],
+        blocks_inserted: affected[2],
+        deposits_inserted: affected[4],
+    })
 }
 
-/// Orphans every canonical block above `fork_height` and moves the cursor to `fork_height + 1`,
-/// in one transaction. Returns how many blocks were orphaned.
+/// What a walk-back's orphaning did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Orphaned {
+    /// This many blocks were orphaned and the cursor moved to just above the fork.
+    Blocks(u64),
+    /// Our tip changed since the walk-back read it (another writer): nothing was written.
+    TipMoved,
+}
+
+/// Orphans every canonical block above `fork_height` (an `orphaned` verdict each) and moves the
+/// cursor to `fork_height + 1`, in one transaction, provided this session still holds the lease
+/// and our tip is still `expected_tip`, the one the walk-back compared with the node.
 ///
 /// # Cancel safety
 /// One transaction; a cancelled call changes nothing.
 pub async fn orphan_above(
     client: &mut deadpool_postgres::Object,
     chain: Chain,
+    lease: LeaseId,
     fork_height: Option<u64>,
-) -> Result<u64, tokio_postgres::Error> {
+    expected_tip: &str,
+    reason: &str,
+) -> Result<Orphaned, IngestError> {
+    let db = |source| IngestError::Database { chain, source };
     let name = chain.as_str();
-    let tx = client.transaction().await?;
-    tx.query_opt(LOCK_CURSOR, &[&name]).await?;
+    let tx = client.transaction().await.map_err(db)?;
+    tx.query_opt(LOCK_CURSOR, &[&name]).await.map_err(db)?;
+    let (class, object) = lease.key();
+    let leased: bool = tx
+        .query_one(
+            "select exists (select 1 from pg_locks l
+                             where l.locktype = 'advisory' and l.classid = $1::int::oid and l.objid = $2::int::oid
+                               and l.objsubid = 2 and l.pid = $3 and l.granted)",
+            &[&class, &object, &lease.pid],
+        )
+        .await
+        .map_err(db)?
+        .get(0);
+    if !leased {
+        return Err(IngestError::LeaseLost { chain });
+    }
+    if our_tip(&tx, chain).await.map_err(db)?.map(|(_, hash)| hash).as_deref() != Some(expected_tip) {
+        return Ok(Orphaned::TipMoved);
+    }
     let above = fork_height.map_or(-1, height_i64);
     let orphaned = tx
         .execute(
-            "update chain_block set orphaned_at = now() where chain = $1 and orphaned_at is null and height > $2",
-            &[&name, &above],
+            "insert into block_verdict (chain, block_hash, seq, verdict, reason)
+             select c.chain, c.block_hash,
+                    coalesce((select max(v.seq) from block_verdict v
+                               where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
+                    'orphaned', $3
+               from chain_block c where c.chain = $1 and c.orphaned_at is null and c.height > $2",
+            &[&name, &above, &reason],
+        )
+        .await
+        .map_err(db)?;
+    tx.execute(ADVANCE_CURSOR, &[&name, &(above + 1)]).await.map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    Ok(Orphaned::Blocks(orphaned))
+}
+
+/// Identifies a held scanner lease: the chain and the backend holding the session lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseId {
+    /// The chain leased.
+    pub chain: Chain,
+    /// `pg_backend_pid()` of the session holding the lock.
+    pub pid: i32,
+}
+
+/// First key of the scanner lease's advisory lock ("sc").
+pub const LEASE_CLASS: i32 = 0x7363;
+
+impl LeaseId {
+    /// The advisory lock's two keys.
+    pub fn key(self) -> (i32, i32) {
+        (LEASE_CLASS, lease_object(self.chain))
+    }
+}
+
+/// Second key of a chain's lease.
+pub fn lease_object(chain: Chain) -> i32 {
+    match chain {
+        Chain::Eth => 1,
+        Chain::Btc => 2,
+    }
+}
+
+/// The backend holding `chain`'s lease, if any.
+pub async fn lease_holder<C: GenericClient>(client: &C, chain: Chain) -> Result<Option<i32>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "select pid from pg_locks where locktype = 'advisory' and classid = $1::int::oid and objid = $2::int::oid
+                and objsubid = 2 and granted limit 1",
+            &[&LEASE_CLASS, &lease_object(chain)],
         )
         .await?;
-    tx.execute(ADVANCE_CURSOR, &[&name, &(above + 1)]).await?;
-    tx.commit().await?;
-    Ok(orphaned)
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// The identity recorded for `chain`, if it was ever scanned.
+pub async fn chain_identity<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+) -> Result<Option<ChainIdentity>, tokio_postgres::Error> {
+    let row = client
+        .query_opt("select network, genesis_hash, chain_id from chain_identity where chain = $1", &[&chain.as_str()])
+        .await?;
+    Ok(row.map(|r| ChainIdentity {
+        network: r.get(0),
+        genesis_hash: r.get(1),
+        chain_id: r.get::<_, Option<i64>>(2).map(|id| u64::try_from(id).expect("BUG: a check keeps chain_id positive")),
+    }))
+}
+
+/// Records `identity` for `chain` unless one is recorded; returns what is recorded now.
+pub async fn record_identity<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    identity: &ChainIdentity,
+) -> Result<ChainIdentity, tokio_postgres::Error> {
+    let chain_id = identity.chain_id.map(|id| i64::try_from(id).unwrap_or(i64::MAX));
+    client
+        .execute(
+            "insert into chain_identity (chain, network, genesis_hash, chain_id) values ($1, $2, $3, $4)
+             on conflict (chain) do nothing",
+            &[&chain.as_str(), &identity.network, &identity.genesis_hash, &chain_id],
+        )
+        .await?;
+    Ok(chain_identity(client, chain).await?.expect("BUG: the identity row vanished right after insert"))
 }
 
 /// Why a rewind was refused.
@@ -386,7 +531,9 @@ pub async fn insert_deposits<C: GenericClient>(
 struct DepositColumns<'a> {
     block_hashes: Vec<&'a str>,
     tx_hashes: Vec<&'a str>,
+    kinds: Vec<&'static str>,
     indexes: Vec<i32>,
+    coinbases: Vec<bool>,
     addresses: Vec<&'a str>,
     assets: Vec<&'a str>,
     amounts: Vec<&'a str>,
@@ -398,6 +545,8 @@ impl<'a> DepositColumns<'a> {
         DepositColumns {
             block_hashes: column(|d| &d.block_hash),
             tx_hashes: column(|d| &d.tx_hash),
+            kinds: deposits.iter().map(|d| d.kind.as_str()).collect(),
+            coinbases: deposits.iter().map(|d| d.coinbase).collect(),
             indexes: deposits
                 .iter()
                 .map(|d| i32::try_from(d.output_index).expect("BUG: output index beyond i32"))
@@ -409,7 +558,17 @@ impl<'a> DepositColumns<'a> {
     }
 
     /// The statement's parameters, the chain's name first.
-    fn params<'p>(&'p self, chain: &'p &'p str) -> [&'p (dyn ToSql + Sync); 7] {
-        [chain, &self.block_hashes, &self.tx_hashes, &self.indexes, &self.addresses, &self.assets, &self.amounts]
+    fn params<'p>(&'p self, chain: &'p &'p str) -> [&'p (dyn ToSql + Sync); 9] {
+        [
+            chain,
+            &self.block_hashes,
+            &self.tx_hashes,
+            &self.kinds,
+            &self.indexes,
+            &self.coinbases,
+            &self.addresses,
+            &self.assets,
+            &self.amounts,
+        ]
     }
 }

@@ -81,15 +81,18 @@ with ledger as (
                                              'cancel_requested', 'needs_review')
      group by w.asset
 ), observed as (
-    select distinct on (d.chain, d.tx_hash, d.output_index) d.chain, d.tx_hash, d.output_index, d.asset, d.amount
+    select distinct on (d.chain, d.tx_hash, d.kind, d.output_index) d.chain, d.tx_hash, d.kind, d.output_index,
+           d.asset, d.amount
       from wallet_address w
       join deposit_event d on d.chain = w.chain and d.address = w.address
       join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash and b.orphaned_at is null
      where w.account_id = $1 and b.height >= w.valid_from_height
        and (w.valid_to_height is null or b.height < w.valid_to_height)
-       and not exists (select 1 from ledger_transfer t
-                        where t.idempotency_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.output_index)
-     order by d.chain, d.tx_hash, d.output_index, b.height desc
+       and coalesce((select sum(case p.direction when 'debit' then p.amount else -p.amount end)
+                       from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.ledger_account = 'custody'
+                      where t.deposit_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.kind || ':' || d.output_index),
+                    0) = 0
+     order by d.chain, d.tx_hash, d.kind, d.output_index, b.height desc
 ), pending as (
     select asset, sum(amount) as pending from observed group by asset
 )

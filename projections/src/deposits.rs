@@ -17,8 +17,12 @@ pub struct DepositView {
     pub chain: String,
     /// Transaction hash.
     pub tx_hash: String,
-    /// vout or log index.
+    /// Where in the transaction: `native`, `log`, `internal`, `output`.
+    pub kind: String,
+    /// Stable index within the transaction for that kind.
     pub output_index: i32,
+    /// The key every posting of this money is made under.
+    pub deposit_key: String,
     /// Block the observation belongs to.
     pub block_hash: String,
     /// Its height.
@@ -45,14 +49,21 @@ pub struct DepositView {
     pub required_confirmations: Option<i32>,
     /// Enough confirmations on a non-orphaned block.
     pub confirmed: bool,
-    /// A ledger transfer credits it.
+    /// The ledger holds money under the key now (credited and not reversed).
     pub posted: bool,
+    /// First credit under the key, smallest units.
+    pub credited: Amount,
+    /// Taken back under the key (approved reversals and booked losses).
+    pub reversed: Amount,
+    /// Credited again after a reversal.
+    pub recredited: Amount,
 }
 
 const LIST: &str = "
 select d.id, d.chain, d.tx_hash, d.output_index, d.block_hash, d.height, d.address, d.asset, a.symbol,
        a.decimals, d.amount, d.account_id, acc.external_ref, d.orphaned, d.confirmations,
-       d.required_confirmations, d.confirmed, d.posted
+       d.required_confirmations, d.confirmed, d.posted, d.kind, d.deposit_key,
+       d.credited, d.reversed, d.recredited
   from deposit_status d
   join asset a on a.asset = d.asset
   left join account acc on acc.id = d.account_id
@@ -78,7 +89,9 @@ pub async fn list<C: GenericClient>(
                 id: r.get(0),
                 chain: r.get(1),
                 tx_hash: r.get(2),
+                kind: r.get(18),
                 output_index: r.get(3),
+                deposit_key: r.get(19),
                 block_hash: r.get(4),
                 height: r.get(5),
                 address: r.get(6),
@@ -93,6 +106,9 @@ pub async fn list<C: GenericClient>(
                 required_confirmations: r.get(15),
                 confirmed: r.get(16),
                 posted: r.get(17),
+                credited: Amount::from_units(r.get::<_, U256>(20)),
+                reversed: Amount::from_units(r.get::<_, U256>(21)),
+                recredited: Amount::from_units(r.get::<_, U256>(22)),
             }
         })
         .collect())

@@ -1,14 +1,20 @@
-//! Posting confirmed deposits to the double-entry ledger, idempotently.
+//! Deposit reconciliation, per deposit key (DESIGN §6).
 //!
-//! One statement per chain inserts a transfer (debit `custody`, credit `user:{account}`) for every
-//! confirmed, attributed deposit not yet posted, keyed `deposit:{chain}:{tx_hash}:{output_index}`.
-//! The key omits the block: the same money re-mined in another block is credited once. The
-//! unique key is what makes a concurrent or repeated pass harmless; the deferred balance trigger
-//! checks every transfer at commit.
+//! After every scan step the pass compares, for each key `deposit:{chain}:{tx}:{kind}:{index}`,
+//! what the canonical chain holds confirmed with what the ledger has posted under the key (the net
+//! of its `custody` legs) and closes the difference:
+//! - chain more than ledger (a first confirmation, or money re-mined after a reversal): credit it,
+//!   automatically, under `{key}:credit:{n}`: first back to `treasury` whatever it absorbed for the
+//!   key, the rest to the owner. Crediting money confirmed on chain needs no review.
+//! - ledger more than chain, with no canonical observation for the key's own confirmation count in
+//!   blocks: open a discrepancy round for review. A round closes by itself, recording why, when
+//!   the money is re-mined before anyone decides.
 //!
-//! A confirmed observation whose key is already posted with a different amount, asset or account
-//! (the same transaction re-mined across an ownership change, say) is not silently skipped: it is
-//! returned as a mismatch, logged as an alert and counted.
+//! Each statement is idempotent on its unique key (`{key}:credit:{n}`, `(key, round)`, one
+//! decision per round), so a concurrent or repeated pass is harmless; the deferred balance
+//! trigger checks every transfer at commit. A confirmed observation whose key is posted to
+//! another account (the same transaction re-mined across an ownership change, say) is returned as
+//! a mismatch, logged as an alert and counted, never credited twice.
 
 use custodian_domain::Chain;
 use deadpool_postgres::GenericClient;
@@ -17,10 +23,12 @@ use serde::Serialize;
 /// What a posting pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct PostingReport {
-    /// Transfers created by this pass.
+    /// Credit transfers created by this pass (first credits and re-credits).
     pub posted: u64,
-    /// Reversal proposals created by this pass.
+    /// Discrepancy rounds opened by this pass.
     pub reversals_proposed: u64,
+    /// Open rounds closed because the money was re-mined.
+    pub discrepancies_closed: u64,
     /// Confirmed observations that disagree with the transfer already posted for their key.
     pub mismatches: Vec<Mismatch>,
 }
@@ -38,70 +46,102 @@ pub struct Mismatch {
     pub posted: String,
 }
 
-const POST_CONFIRMED: &str = "
-with candidates as (
-    select distinct on (s.tx_hash, s.output_index)
-           'deposit:' || s.chain || ':' || s.tx_hash || ':' || s.output_index as key,
-           s.chain, s.tx_hash, s.output_index, s.block_hash, s.height, s.address, s.asset, s.amount, s.account_id
+/// Open rounds whose key has a canonical observation again: closed, recording the block.
+const CLOSE_REMINED: &str = "
+insert into reversal_decision (proposal_id, decision, decided_by, reason)
+select r.id, 'closed', 'custodian',
+       'the money is on the canonical chain again: block ' || o.block_hash || ' at height ' || o.height
+  from reversal_proposal r
+  cross join lateral (
+        select d.block_hash, b.height
+          from deposit_event d join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
+         where d.chain = r.chain and d.tx_hash = r.tx_hash and d.kind = r.kind and d.output_index = r.output_index
+           and b.orphaned_at is null
+         order by b.height limit 1) o
+ where r.chain = $1 and not exists (select 1 from reversal_decision x where x.proposal_id = r.id)
+on conflict (proposal_id) do nothing";
+
+/// Confirmed, attributed keys the ledger holds less for than the chain: credited the difference,
+/// first to `treasury` up to what it absorbed for the key, the rest to the owner.
+const CREDIT_CONFIRMED: &str = "
+with chain_side as (
+    select distinct on (s.deposit_key)
+           s.deposit_key, s.chain, s.tx_hash, s.kind, s.output_index, s.block_hash, s.height, s.address,
+           s.asset, s.amount, s.account_id, s.custody_posted, s.treasury_posted, s.credits
       from deposit_status s
-     where s.chain = $1 and s.confirmed and s.account_id is not null and not s.posted
-     order by s.tx_hash, s.output_index, s.height
+     where s.chain = $1 and s.confirmed and s.account_id is not null and s.custody_posted < s.amount
+     order by s.deposit_key, s.height
+), due as (
+    select c.*, c.amount - c.custody_posted as owed,
+           least(greatest(-c.treasury_posted, 0), c.amount - c.custody_posted) as to_treasury
+      from chain_side c
 ), transfers as (
-    insert into ledger_transfer (idempotency_key, kind, reference)
-    select c.key, 'deposit',
-           jsonb_build_object('chain', c.chain, 'tx_hash', c.tx_hash, 'output_index', c.output_index,
-                              'block_hash', c.block_hash, 'height', c.height, 'address', c.address,
-                              'account_id', c.account_id)
-      from candidates c
+    insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+    select d.deposit_key || ':credit:' || (d.credits + 1), 'deposit', d.deposit_key,
+           jsonb_build_object('chain', d.chain, 'tx_hash', d.tx_hash, 'kind', d.kind, 'output_index', d.output_index,
+                              'block_hash', d.block_hash, 'height', d.height, 'address', d.address,
+                              'account_id', d.account_id, 'credit', d.credits + 1)
+      from due d
     on conflict (idempotency_key) do nothing
-    returning id, idempotency_key
+    returning id, deposit_key
 ), postings as (
     insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-    select t.id, side.ledger_account, c.asset, side.direction, c.amount
+    select t.id, side.ledger_account, d.asset, side.direction, side.amount
       from transfers t
-      join candidates c on c.key = t.idempotency_key
-     cross join lateral (values ('custody', 'debit'), ('user:' || c.account_id, 'credit'))
-           as side (ledger_account, direction)
+      join due d on d.deposit_key = t.deposit_key
+     cross join lateral (values ('custody', 'debit', d.owed),
+                                ('treasury', 'credit', d.to_treasury),
+                                ('user:' || d.account_id, 'credit', d.owed - d.to_treasury))
+           as side (ledger_account, direction, amount)
+     where side.amount > 0
     returning transfer_id
 )
 select count(distinct transfer_id) from postings";
 
+/// Keys the ledger holds money for, with no canonical observation, once the canonical chain has
+/// built the key's own confirmation count in blocks from the height it was last seen at, and no
+/// round open: a new discrepancy round. Only keys observed in orphaned blocks are considered.
+const OPEN_DISCREPANCIES: &str = "
+insert into reversal_proposal (deposit_key, round, chain, tx_hash, kind, output_index, transfer_id,
+                               ledger_account, asset, amount, reason)
+select s.deposit_key,
+       coalesce((select max(r.round) from reversal_proposal r where r.deposit_key = s.deposit_key), 0) + 1,
+       s.chain, s.tx_hash, s.kind, s.output_index, s.last_credit_id, s.credited_account, s.asset, s.custody_posted,
+       'every observation of the deposit is on an orphaned block, and the canonical chain has built '
+           || (tip.height - s.height + 1) || ' blocks from its height ' || s.height || ' without it (grace: '
+           || s.required_confirmations || ')'
+  from (select distinct on (s.deposit_key) s.*
+          from deposit_status s
+         where s.chain = $1 and s.orphaned and s.custody_posted > 0
+         order by s.deposit_key, s.height desc) s
+  join chain_tip tip on tip.chain = s.chain
+ where tip.height - s.height + 1 >= s.required_confirmations
+   and not exists (select 1 from deposit_event d join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
+                    where d.chain = s.chain and d.tx_hash = s.tx_hash and d.kind = s.kind
+                      and d.output_index = s.output_index and b.orphaned_at is null)
+   and not exists (select 1 from reversal_proposal r
+                    where r.deposit_key = s.deposit_key
+                      and not exists (select 1 from reversal_decision x where x.proposal_id = r.id))
+on conflict (deposit_key, round) do nothing";
+
 const MISMATCHES: &str = "
-select 'deposit:' || s.chain || ':' || s.tx_hash || ':' || s.output_index, s.block_hash,
+select s.deposit_key, s.block_hash,
        s.amount::text || ' ' || s.asset || ' to ' || coalesce('user:' || s.account_id, 'no account'),
-       p.amount::text || ' ' || p.asset || ' to ' || p.ledger_account
+       s.custody_posted::text || ' ' || s.asset || ' to ' || s.credited_account
   from deposit_status s
-  join ledger_transfer t on t.idempotency_key = 'deposit:' || s.chain || ':' || s.tx_hash || ':' || s.output_index
-  join ledger_posting p on p.transfer_id = t.id and p.direction = 'credit'
- where s.chain = $1 and s.confirmed and s.block_hash <> t.reference ->> 'block_hash'
-   and (p.amount <> s.amount or p.asset <> s.asset or s.account_id is null
-        or p.ledger_account <> 'user:' || s.account_id)";
+ where s.chain = $1 and s.confirmed and s.custody_posted > 0
+   and (s.custody_posted <> s.amount or s.account_id is null
+        or s.credited_account not in ('user:' || s.account_id, 'treasury'))";
 
-/// Posted deposits whose every observation is now on an orphaned block become proposals for a
-/// person to review. Only deposits seen in an orphaned block are considered, so the pass stays
-/// cheap however many deposits were ever posted.
-const PROPOSE_REVERSALS: &str = "
-insert into reversal_proposal (deposit_key, transfer_id, reason)
-select distinct t.idempotency_key, t.id,
-       'every observation of the deposit is on an orphaned block (deepest reorg past the confirmation threshold)'
-  from chain_block ob
-  join deposit_event d on d.chain = ob.chain and d.block_hash = ob.block_hash
-  join ledger_transfer t on t.idempotency_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.output_index
- where ob.chain = $1 and ob.orphaned_at is not null
-   and not exists (select 1 from deposit_event d2
-                     join chain_block b2 on b2.chain = d2.chain and b2.block_hash = d2.block_hash
-                    where d2.chain = d.chain and d2.tx_hash = d.tx_hash and d2.output_index = d.output_index
-                      and b2.orphaned_at is null)
-on conflict (deposit_key) do nothing";
-
-/// Posts every confirmed deposit of `chain` not yet posted, and proposes reversals for posted
-/// deposits that lost every observation.
+/// Reconciles every deposit key of `chain`: closes rounds whose money is back, credits what the
+/// chain holds confirmed beyond the ledger, and opens rounds for money the chain lost.
 ///
 /// # Cancel safety
 /// Each statement is atomic; a cancelled pass leaves whatever it committed, all of it valid.
 pub async fn post_chain<C: GenericClient>(client: &C, chain: Chain) -> Result<PostingReport, tokio_postgres::Error> {
-    let posted: i64 = client.query_one(POST_CONFIRMED, &[&chain.as_str()]).await?.get(0);
-    let reversals_proposed = client.execute(PROPOSE_REVERSALS, &[&chain.as_str()]).await?;
+    let discrepancies_closed = client.execute(CLOSE_REMINED, &[&chain.as_str()]).await?;
+    let posted: i64 = client.query_one(CREDIT_CONFIRMED, &[&chain.as_str()]).await?.get(0);
+    let reversals_proposed = client.execute(OPEN_DISCREPANCIES, &[&chain.as_str()]).await?;
     let mismatches: Vec<Mismatch> = client
         .query(MISMATCHES, &[&chain.as_str()])
         .await?
@@ -116,9 +156,20 @@ pub async fn post_chain<C: GenericClient>(client: &C, chain: Chain) -> Result<Po
     metrics::counter!("custodian_deposits_posted_total", "chain" => chain.as_str())
         .increment(u64::try_from(posted).expect("BUG: negative count"));
     if reversals_proposed > 0 {
-        tracing::warn!(%chain, reversals_proposed, "ALERT: posted deposits lost every observation; reversal proposals await review");
+        tracing::warn!(%chain, reversals_proposed,
+            "ALERT: credited deposits are gone from the canonical chain past their grace period; discrepancies await review");
+        metrics::counter!("custodian_deposit_discrepancies_opened_total", "chain" => chain.as_str())
+            .increment(reversals_proposed);
     }
-    Ok(PostingReport { posted: u64::try_from(posted).expect("BUG: negative count"), reversals_proposed, mismatches })
+    if discrepancies_closed > 0 {
+        tracing::info!(%chain, discrepancies_closed, "open discrepancies closed: the money was re-mined");
+    }
+    Ok(PostingReport {
+        posted: u64::try_from(posted).expect("BUG: negative count"),
+        reversals_proposed,
+        discrepancies_closed,
+        mismatches,
+    })
 }
 
 /// Runs [`post_chain`] for every chain.
@@ -128,6 +179,7 @@ pub async fn post_all<C: GenericClient>(client: &C) -> Result<PostingReport, tok
         let report = post_chain(client, chain).await?;
         total.posted += report.posted;
         total.reversals_proposed += report.reversals_proposed;
+        total.discrepancies_closed += report.discrepancies_closed;
         total.mismatches.extend(report.mismatches);
     }
     Ok(total)

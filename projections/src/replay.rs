@@ -47,37 +47,90 @@ const SETUP: &str = "
 create table pg_temp.replay_withdrawal (id bigint primary key, state text not null, last_seq integer not null, lane text,
     from_address text, nonce bigint, tx_hash text, mined_block_hash text);
 create table pg_temp.replay_balance (ledger_account text, asset text, net numeric(79,0), primary key (ledger_account, asset));
--- The deposit transfers' references as columns, analysed: joining through jsonb directly leaves
--- the planner guessing a few hundred rows where there are millions, and probing row by row.
-create table pg_temp.replay_deposit_transfer as
-select t.id, t.idempotency_key, t.reference ->> 'chain' as chain, t.reference ->> 'tx_hash' as tx_hash,
-       (t.reference ->> 'output_index')::int as output_index, t.reference ->> 'block_hash' as block_hash
-  from ledger_transfer t where t.kind = 'deposit';
-analyze pg_temp.replay_deposit_transfer;
--- Ownership ranges without indexes: for a whole-table join a hash join is right, but given the
--- exclusion constraint's GiST index the planner probes it once per deposit, ten times slower.
-create table pg_temp.replay_ownership as
-select chain, address, account_id, valid_from_height, valid_to_height from wallet_address;
-analyze pg_temp.replay_ownership;
-create table pg_temp.replay_expected_posting as
-select t.id as transfer_id, t.idempotency_key, side.ledger_account, d.asset, side.direction, d.amount
-  from pg_temp.replay_deposit_transfer t
-  join deposit_event d on d.chain = t.chain and d.tx_hash = t.tx_hash and d.output_index = t.output_index
-                      and d.block_hash = t.block_hash
-  join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
-  join pg_temp.replay_ownership w on w.chain = d.chain and w.address = d.address and b.height >= w.valid_from_height
-                                 and (w.valid_to_height is null or b.height < w.valid_to_height)
- cross join lateral (values ('custody', 'debit'), ('user:' || w.account_id, 'credit')) as side (ledger_account, direction)
- where t.idempotency_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.output_index;
-analyze pg_temp.replay_expected_posting;
-insert into pg_temp.replay_expected_posting
-select r.compensating_transfer_id, c.idempotency_key, side.ledger_account, e.asset, side.direction, e.amount
-  from reversal_decision r
-  join reversal_proposal p on p.id = r.proposal_id
-  join ledger_transfer c on c.id = r.compensating_transfer_id
-  join pg_temp.replay_expected_posting e on e.transfer_id = p.transfer_id and e.direction = 'credit'
- cross join lateral (values (e.ledger_account, 'debit'), ('custody', 'credit')) as side (ledger_account, direction)
- where r.decision = 'approved';
+-- Deposits, per key: what the ledger must hold under each key, derived from observations,
+-- ownership, tiers and the recorded rounds and decisions, never from the transfers' own
+-- references. An open round holds its amount; otherwise the canonical confirmed amount. Keys in
+-- motion are excused, with the booked amount taken as expected: a canonical observation not (or no
+-- longer) confirmed holding at most its amount, money lost within its grace period, and keys whose
+-- latest round was rejected before losses were booked.
+create table pg_temp.replay_observed as
+select s.deposit_key, s.asset, s.amount, s.account_id, s.orphaned, s.confirmed, s.height, s.required_confirmations
+  from deposit_status s;
+analyze pg_temp.replay_observed;
+create table pg_temp.replay_booked as
+select t.deposit_key, p.asset,
+       sum(case when p.ledger_account = 'custody' then case p.direction when 'debit' then p.amount else -p.amount end
+           else 0 end) as custody
+  from ledger_transfer t join ledger_posting p on p.transfer_id = t.id
+ where t.deposit_key is not null
+ group by t.deposit_key, p.asset;
+create table pg_temp.replay_key as
+with keys as (
+    select deposit_key, asset from pg_temp.replay_observed
+    union select deposit_key, asset from pg_temp.replay_booked
+), canonical as (
+    select distinct on (deposit_key) deposit_key, amount, confirmed and account_id is not null as credit_due
+      from pg_temp.replay_observed where not orphaned
+     order by deposit_key, confirmed desc, height
+), lost as (
+    select o.deposit_key, bool_or(tip.height - o.height + 1 < o.required_confirmations) as in_grace
+      from pg_temp.replay_observed o join chain_tip tip on tip.chain = split_part(o.deposit_key, ':', 2)
+     where o.orphaned group by o.deposit_key
+), rounds as (
+    select distinct on (r.deposit_key) r.deposit_key, r.amount, d.decision, d.compensating_transfer_id
+      from reversal_proposal r left join reversal_decision d on d.proposal_id = r.id
+     order by r.deposit_key, r.round desc
+)
+select k.deposit_key, k.asset, coalesce(b.custody, 0) as booked,
+       case when r.deposit_key is not null and r.decision is null then r.amount
+            when c.credit_due then c.amount
+            when c.deposit_key is not null and coalesce(b.custody, 0) between 0 and c.amount then coalesce(b.custody, 0)
+            when c.deposit_key is null and l.in_grace then coalesce(b.custody, 0)
+            when r.decision = 'rejected' and r.compensating_transfer_id is null then coalesce(b.custody, 0)
+            else 0 end as expected
+  from keys k
+  left join pg_temp.replay_booked b using (deposit_key, asset)
+  left join canonical c using (deposit_key)
+  left join lost l using (deposit_key)
+  left join rounds r using (deposit_key);
+-- Every credit transfer names an observation of its own key and credits only that observation's
+-- owner or treasury, debiting custody by what it credits; every reversal or loss is the booking
+-- of a recorded decision, for the round's amount, from the round's account (or treasury).
+create table pg_temp.replay_deposit_shape as
+select t.id, t.idempotency_key, 'credit names no observation of its key' as problem
+  from ledger_transfer t
+ where t.kind = 'deposit'
+   and not exists (select 1 from deposit_event d
+                    where d.chain = t.reference ->> 'chain' and d.tx_hash = t.reference ->> 'tx_hash'
+                      and d.kind = t.reference ->> 'kind' and d.output_index = (t.reference ->> 'output_index')::int
+                      and d.block_hash = t.reference ->> 'block_hash'
+                      and 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.kind || ':' || d.output_index = t.deposit_key)
+union all
+select t.id, t.idempotency_key, 'credit to ' || p.ledger_account || ', who owned no observation of the key'
+  from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.direction = 'credit'
+ where t.kind = 'deposit' and p.ledger_account <> 'treasury'
+   and not exists (select 1 from pg_temp.replay_observed o
+                    where o.deposit_key = t.deposit_key and 'user:' || o.account_id = p.ledger_account)
+union all
+select t.id, t.idempotency_key, 'a ' || t.kind || ' transfer without the decision it books'
+  from ledger_transfer t
+ where t.kind in ('reversal', 'deposit_loss')
+   and not exists (select 1 from reversal_decision d join reversal_proposal r on r.id = d.proposal_id
+                    where d.compensating_transfer_id = t.id and r.deposit_key = t.deposit_key
+                      and d.decision = case t.kind when 'reversal' then 'approved' else 'rejected' end
+                      and exists (select 1 from ledger_posting p where p.transfer_id = t.id and p.direction = 'debit'
+                                     and p.amount = r.amount and p.asset = r.asset
+                                     and p.ledger_account = case t.kind when 'reversal' then r.ledger_account
+                                                                        else 'treasury' end)
+                      and exists (select 1 from ledger_posting p where p.transfer_id = t.id and p.direction = 'credit'
+                                     and p.ledger_account = 'custody' and p.amount = r.amount))
+union all
+select d.compensating_transfer_id, r.deposit_key, 'an approval without its reversal transfer'
+  from reversal_decision d join reversal_proposal r on r.id = d.proposal_id
+ where d.decision = 'approved'
+   and not exists (select 1 from ledger_transfer t where t.id = d.compensating_transfer_id and t.kind = 'reversal');
+create table pg_temp.replay_expected_posting (transfer_id bigint, idempotency_key text, ledger_account text, asset text,
+    direction text, amount numeric(78,0));
 -- What each withdrawal's events say the ledger must hold: the hold at request; its release when
 -- rejected, cancelled or failed on chain; the settlement when confirmed; the real fee when paid.
 create table pg_temp.replay_expected_movement as
@@ -113,7 +166,7 @@ const POSTING_DIFF: &str = "
 with actual as (
     select t.id as transfer_id, t.idempotency_key, p.ledger_account, p.asset, p.direction, p.amount
       from ledger_transfer t join ledger_posting p on p.transfer_id = t.id
-     where t.kind in ('deposit', 'reversal', 'withdrawal_hold', 'withdrawal_settle', 'withdrawal_release', 'network_fee')
+     where t.kind in ('withdrawal_hold', 'withdrawal_settle', 'withdrawal_release', 'network_fee')
 )
 select case when e.idempotency_key is null then 'live posting not derivable from facts'
             else 'posting the facts require is missing' end as difference,
@@ -126,6 +179,14 @@ select case when e.idempotency_key is null then 'live posting not derivable from
    and e.asset = a.asset and e.direction = a.direction and e.amount = a.amount
  where a.idempotency_key is null or e.idempotency_key is null
  order by 3, 4, 6";
+
+/// Deposit keys whose booked custody differs from what observations, tiers and decisions say.
+const KEY_DIFF: &str = "
+select deposit_key, asset, booked::text, expected::text from pg_temp.replay_key where booked <> expected
+ order by deposit_key";
+
+/// Deposit transfers whose shape the facts do not explain.
+const DEPOSIT_SHAPE: &str = "select id, idempotency_key, problem from pg_temp.replay_deposit_shape order by id";
 
 /// Adjustments have no source fact the system records; any is reported.
 const UNTRACEABLE: &str =
@@ -167,8 +228,12 @@ with booked as (
     select asset, sum(case direction when 'debit' then amount else -amount end) as net
       from ledger_posting where ledger_account = 'custody' group by asset
 ), from_facts as (
-    select asset, sum(case direction when 'debit' then amount else -amount end) as net
-      from pg_temp.replay_expected_posting where ledger_account = 'custody' group by asset
+    select asset, sum(net) as net from (
+        select asset, sum(case direction when 'debit' then amount else -amount end) as net
+          from pg_temp.replay_expected_posting where ledger_account = 'custody' group by asset
+        union all
+        select asset, sum(expected) from pg_temp.replay_key group by asset) f
+     group by asset
 )
 select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
   from booked b full join from_facts f using (asset)
@@ -361,6 +426,24 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         report
             .differences
             .push(Difference { check: "posting set", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
+    }
+    for row in tx.query(KEY_DIFF, &[]).await? {
+        report.differences.push(Difference {
+            check: "deposit keys",
+            detail: format!(
+                "{} ({}): the ledger holds {} under the key, the chain and the decisions say {}",
+                cell(&row, 0),
+                cell(&row, 1),
+                cell(&row, 2),
+                cell(&row, 3)
+            ),
+        });
+    }
+    for row in tx.query(DEPOSIT_SHAPE, &[]).await? {
+        report.differences.push(Difference {
+            check: "postings trace to facts",
+            detail: format!("transfer {} ({}): {}", cell(&row, 0), cell(&row, 1), cell(&row, 2)),
+        });
     }
     for row in tx.query(UNTRACEABLE, &[]).await? {
         report.differences.push(Difference {

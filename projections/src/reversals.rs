@@ -1,8 +1,12 @@
-//! Reviewed reversals: automation proposes, a named person decides, nothing is debited without.
+//! Reviewed reversals: the reconciliation pass opens a discrepancy round when the ledger holds
+//! money for a deposit key that the canonical chain lost; an authenticated principal decides.
 //!
-//! Approval posts the compensating transfer (debit the credited user, credit `custody`) and the
-//! decision in one transaction; the decision row is append-only and unique per proposal, so a
-//! second approval finds the first and changes nothing.
+//! Approving debits the credited account (`{key}:reversal:{round}`: debit the user, credit
+//! `custody`); rejecting books the loss to the operator (`{key}:loss:{round}`: debit `treasury`,
+//! credit `custody`). Either way `custody` matches the chain again. The transfer and the decision
+//! are one transaction; the decision row is append-only and unique per round, so a second
+//! decision finds the first and changes nothing. A round whose money is re-mined first is closed
+//! by the pass, and deciding it is refused.
 
 use alloy_primitives::U256;
 use custodian_domain::Amount;
@@ -16,8 +20,10 @@ pub struct Proposal {
     pub id: i64,
     /// The deposit key.
     pub deposit_key: String,
-    /// The deposit transfer that would be reversed.
-    pub transfer_id: i64,
+    /// The round of this key's discrepancies (1, 2, …).
+    pub round: i32,
+    /// The latest credit transfer of the key when the round opened.
+    pub transfer_id: Option<i64>,
     /// The credited ledger account.
     pub ledger_account: String,
     /// Asset key.
@@ -28,15 +34,15 @@ pub struct Proposal {
     pub reason: String,
     /// When.
     pub proposed_at: String,
-    /// `approved`, `rejected`, or none yet.
+    /// `approved`, `rejected`, `closed` (re-mined first), or none yet.
     pub decision: Option<String>,
     /// Who decided.
     pub decided_by: Option<String>,
     /// Their reason.
     pub decision_reason: Option<String>,
-    /// The compensating transfer, when approved.
+    /// The transfer the decision booked (reversal or loss).
     pub compensating_transfer_id: Option<i64>,
-    /// The deposit is on the canonical chain again (approving is refused then).
+    /// The deposit is on the canonical chain again (deciding is refused then; the pass closes it).
     pub reappeared: bool,
 }
 
@@ -57,10 +63,10 @@ pub enum DecisionError {
         by: String,
     },
     /// The deposit is canonical again: nothing to take back.
-    #[error("the deposit of proposal {0} is on the canonical chain again; reject the proposal instead")]
+    #[error("the deposit of proposal {0} is on the canonical chain again: nothing to decide, the next posting pass closes the round")]
     Reappeared(i64),
-    /// A name is required.
-    #[error("a decision needs the name of the person making it (--by)")]
+    /// A principal is required.
+    #[error("a decision needs the authenticated principal making it")]
     Anonymous,
     /// The database failed.
     #[error("database error: {0}")]
@@ -68,13 +74,12 @@ pub enum DecisionError {
 }
 
 const LIST: &str = "
-select r.id, r.deposit_key, r.transfer_id, p.ledger_account, p.asset, p.amount, r.reason, r.proposed_at::text,
+select r.id, r.deposit_key, r.round, r.transfer_id, r.ledger_account, r.asset, r.amount, r.reason, r.proposed_at::text,
        d.decision, d.decided_by, d.reason, d.compensating_transfer_id,
        exists (select 1 from deposit_event e join chain_block b on b.chain = e.chain and b.block_hash = e.block_hash
-                where b.orphaned_at is null
-                  and 'deposit:' || e.chain || ':' || e.tx_hash || ':' || e.output_index = r.deposit_key)
+                where b.orphaned_at is null and e.chain = r.chain and e.tx_hash = r.tx_hash and e.kind = r.kind
+                  and e.output_index = r.output_index)
   from reversal_proposal r
-  join ledger_posting p on p.transfer_id = r.transfer_id and p.direction = 'credit'
   left join reversal_decision d on d.proposal_id = r.id
  where ($1::bigint is null or r.id = $1)
  order by r.id";
@@ -83,17 +88,18 @@ fn proposal(r: &tokio_postgres::Row) -> Proposal {
     Proposal {
         id: r.get(0),
         deposit_key: r.get(1),
-        transfer_id: r.get(2),
-        ledger_account: r.get(3),
-        asset: r.get(4),
-        amount: Amount::from_units(r.get::<_, U256>(5)),
-        reason: r.get(6),
-        proposed_at: r.get(7),
-        decision: r.get(8),
-        decided_by: r.get(9),
-        decision_reason: r.get(10),
-        compensating_transfer_id: r.get(11),
-        reappeared: r.get(12),
+        round: r.get(2),
+        transfer_id: r.get(3),
+        ledger_account: r.get(4),
+        asset: r.get(5),
+        amount: Amount::from_units(r.get::<_, U256>(6)),
+        reason: r.get(7),
+        proposed_at: r.get(8),
+        decision: r.get(9),
+        decided_by: r.get(10),
+        decision_reason: r.get(11),
+        compensating_transfer_id: r.get(12),
+        reappeared: r.get(13),
     }
 }
 
@@ -145,30 +151,32 @@ pub async fn decide(
             by: current.decided_by.unwrap_or_default(),
         });
     }
-    let compensating: Option<i64> = if approve {
-        if current.reappeared {
-            return Err(DecisionError::Reappeared(id));
-        }
-        let transfer: i64 = tx
-            .query_one(
-                "insert into ledger_transfer (idempotency_key, kind, reference)
-                 values ('reversal:' || $1, 'reversal', jsonb_build_object('proposal_id', $2::bigint, 'deposit_key', $1::text,
-                         'reversed_transfer_id', $3::bigint, 'approved_by', $4::text))
-                 returning id",
-                &[&current.deposit_key, &id, &current.transfer_id, &by],
-            )
-            .await?
-            .get(0);
-        tx.execute(
-            "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-             values ($1, $2, $3, 'debit', $4), ($1, 'custody', $3, 'credit', $4)",
-            &[&transfer, &current.ledger_account, &current.asset, &current.amount.units()],
-        )
-        .await?;
-        Some(transfer)
+    if current.reappeared {
+        return Err(DecisionError::Reappeared(id));
+    }
+    // Approve: the credited account gives the money back. Reject: the operator absorbs the loss.
+    let (key, kind, debited) = if approve {
+        (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", current.ledger_account.as_str())
     } else {
-        None
+        (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", "treasury")
     };
+    let transfer: i64 = tx
+        .query_one(
+            "insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+             values ($1, $2, $3, jsonb_build_object('proposal_id', $4::bigint, 'deposit_key', $3::text,
+                     'round', $5::int, 'decision', $6::text, 'decided_by', $7::text))
+             returning id",
+            &[&key, &kind, &current.deposit_key, &id, &current.round, &wanted, &by],
+        )
+        .await?
+        .get(0);
+    tx.execute(
+        "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+         values ($1, $2, $3, 'debit', $4), ($1, 'custody', $3, 'credit', $4)",
+        &[&transfer, &debited, &current.asset, &current.amount.units()],
+    )
+    .await?;
+    let compensating = Some(transfer);
     tx.execute(
         "insert into reversal_decision (proposal_id, decision, decided_by, reason, compensating_transfer_id)
          values ($1, $2, $3, $4, $5)",

@@ -23,21 +23,27 @@ pub async fn list(settings: &Settings, account: Option<&str>, chain: Option<Chai
         println!("no deposits observed");
     }
     for d in &deposits {
+        let reversed = !d.reversed.units().is_zero();
         let state = if d.orphaned {
             "orphaned".to_owned()
+        } else if d.posted && !d.recredited.units().is_zero() {
+            "credited, reversed, re-credited".to_owned()
         } else if d.posted {
-            "posted".to_owned()
+            "credited".to_owned()
+        } else if reversed {
+            "reversed".to_owned()
         } else if d.confirmed {
             "confirmed".to_owned()
         } else {
             format!("pending {}/{}", d.confirmations, d.required_confirmations.unwrap_or(0))
         };
         println!(
-            "{:<4} {:>8} {} {}:{} {} {} -> {} [{}]",
+            "{:<4} {:>8} {} {}:{}:{} {} {} -> {} [{}]",
             d.chain,
             d.height,
             d.block_hash.get(..12).unwrap_or(&d.block_hash),
             d.tx_hash,
+            d.kind,
             d.output_index,
             d.amount_display,
             d.symbol,

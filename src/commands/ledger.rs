@@ -57,9 +57,10 @@ pub async fn post(settings: &Settings) -> Result<Exit> {
         super::print_json(&report)?;
     } else {
         println!(
-            "posted {} deposits; {} reversal proposals created; {} mismatches",
+            "posted {} credits; {} discrepancies opened, {} closed (re-mined); {} mismatches",
             report.posted,
             report.reversals_proposed,
+            report.discrepancies_closed,
             report.mismatches.len()
         );
         for m in &report.mismatches {
@@ -76,15 +77,18 @@ pub async fn reversals_list(settings: &Settings) -> Result<Exit> {
         return super::print_json(&proposals).map(|()| Exit::Success);
     }
     if proposals.is_empty() {
-        println!("no reversal proposals");
+        println!("no discrepancies");
     }
     for p in &proposals {
         let decision = match (&p.decision, &p.decided_by) {
             (Some(d), Some(by)) => format!("{d} by {by}"),
-            _ if p.reappeared => "awaiting review (the deposit reappeared: reject)".to_owned(),
-            _ => "awaiting review".to_owned(),
+            _ if p.reappeared => "re-mined: closes on the next posting pass".to_owned(),
+            _ => "awaiting review (approve: debit the account; reject: book the loss to treasury)".to_owned(),
         };
-        println!("#{} {} {} {} from {}: {}", p.id, p.deposit_key, p.amount, p.asset, p.ledger_account, decision);
+        println!(
+            "#{} {} round {} {} {} from {}: {}",
+            p.id, p.deposit_key, p.round, p.amount, p.asset, p.ledger_account, decision
+        );
     }
     Ok(Exit::Success)
 }

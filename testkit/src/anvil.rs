@@ -33,10 +33,22 @@ fn free_port() -> Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// The genesis timestamp of [`Anvil::spawn_shared_genesis`] nodes (2026-01-01T00:00:00Z).
+pub const SHARED_GENESIS_TIMESTAMP: &str = "1767225600";
+
 impl Anvil {
     /// Starts anvil with its defaults (chain id 31337, ten funded dev accounts, automine).
     pub async fn spawn() -> Result<Anvil> {
         Anvil::spawn_with(&[]).await
+    }
+
+    /// Starts anvil on the genesis block every other `spawn_shared_genesis` anvil has (the same
+    /// `--timestamp`): two such nodes are one chain that can fork, as a node that resynced or a
+    /// minority fork would be.
+    pub async fn spawn_shared_genesis(args: &[&str]) -> Result<Anvil> {
+        let mut all = vec!["--timestamp", SHARED_GENESIS_TIMESTAMP];
+        all.extend_from_slice(args);
+        Anvil::spawn_with(&all).await
     }
 
     /// Starts anvil with extra arguments (`--no-mining`, `--block-time 1`, …).

@@ -34,11 +34,13 @@ pub async fn credit_eth(client: &tokio_postgres::Client, account: i64, n: u32, w
             "insert into wallet_address (chain, address, account_id) values ('eth', '{address}', {account});
              insert into chain_block (chain, height, block_hash, parent_hash)
                   values ('eth', {seed} + 1000000, '{block}', '{block}');
-             insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
-                  values ('eth', '{block}', '{tx}', 0, '{address}', 'ETH', {wei});
+             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+                  values ('eth', '{block}', '{tx}', 'native', 0, '{address}', 'ETH', {wei});
              begin;
-             insert into ledger_transfer (idempotency_key, kind, reference) values ('deposit:eth:{tx}:0', 'deposit',
-                  jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'output_index', 0, 'block_hash', '{block}'));
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  values ('deposit:eth:{tx}:native:0:credit:1', 'deposit', 'deposit:eth:{tx}:native:0',
+                  jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'kind', 'native', 'output_index', 0,
+                                     'block_hash', '{block}'));
              insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
                   (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {wei}),
                   (currval('ledger_transfer_id_seq'), 'user:{account}', 'ETH', 'credit', {wei});

@@ -111,7 +111,7 @@ async fn a_shallow_reorg_never_posts_and_the_same_money_re_mined_posts_once() {
     sim.mine_empty(3);
     assert_eq!(scan_and_post(&db, &sim).await.posted, 1);
     assert_eq!(scan_and_post(&db, &sim).await.posted, 0);
-    assert_eq!(deposit_transfers(&db).await, [format!("deposit:btc:{}:0", half.compute_txid())]);
+    assert_eq!(deposit_transfers(&db).await, [format!("deposit:btc:{}:output:0:credit:1", half.compute_txid())]);
     assert_eq!(available(&db, alice).await, "50000000");
     let client = db.pool.get().await.unwrap();
     let observations: i64 = client.query_one("select count(*) from deposit_event", &[]).await.unwrap().get(0);
@@ -230,7 +230,7 @@ async fn a_row_without_its_source_fact_makes_replay_verify_exit_3_and_name_it() 
             "insert into account (external_ref) values ('mallory');
              begin;
              insert into ledger_transfer (idempotency_key, kind, reference)
-                  values ('deposit:eth:0x{tx}:0', 'deposit', '{{\"chain\":\"eth\",\"tx_hash\":\"0x{tx}\",\"output_index\":0,\"block_hash\":\"0x{tx}\"}}');
+                  values ('deposit:eth:0x{tx}:native:0:credit:1', 'deposit', '{{\"chain\":\"eth\",\"tx_hash\":\"0x{tx}\",\"kind\":\"native\",\"output_index\":0,\"block_hash\":\"0x{tx}\"}}');
              insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
                   (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 77),
                   (currval('ledger_transfer_id_seq'), 'user:1', 'ETH', 'credit', 77);
@@ -245,9 +245,9 @@ async fn a_row_without_its_source_fact_makes_replay_verify_exit_3_and_name_it() 
     assert_eq!(report["verified"], false);
     let details: Vec<String> =
         report["differences"].as_array().unwrap().iter().map(|d| d["detail"].to_string()).collect();
-    let key = format!("deposit:eth:0x{}:0", "ab".repeat(32));
+    let key = format!("deposit:eth:0x{}:native:0:credit:1", "ab".repeat(32));
     assert!(
-        details.iter().any(|d| d.contains("live posting not derivable from facts") && d.contains(&key)),
+        details.iter().any(|d| d.contains("credit names no observation of its key") && d.contains(&key)),
         "{details:?}"
     );
     assert!(report["differences"].as_array().unwrap().iter().any(|d| d["check"] == "custody"), "{details:?}");

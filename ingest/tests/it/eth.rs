@@ -185,6 +185,9 @@ impl ChainReader for StopsAt {
     fn chain(&self) -> Chain {
         Chain::Eth
     }
+    async fn identity(&self) -> Result<custodian_ingest::ChainIdentity, ReadError> {
+        self.inner.identity().await
+    }
     async fn tip_height(&self) -> Result<u64, ReadError> {
         self.inner.tip_height().await
     }
@@ -225,7 +228,9 @@ async fn a_scanner_stopped_between_blocks_resumes_without_gap_or_duplicate() {
 
 #[tokio::test]
 async fn a_node_reporting_a_lower_tip_does_not_move_our_tip() {
-    let (anvil, db, reader) = setup().await;
+    let anvil = Anvil::spawn_shared_genesis(&[]).await.unwrap();
+    let db = TestDb::new().await;
+    let reader = EthReader::new(&anvil.url).unwrap();
     watch(&db, Chain::Eth, "alice", WATCHED).await;
     send(&anvil, json!({"from": DEV, "to": WATCHED, "value": "0x5"})).await;
     mine(&anvil, 20).await;
@@ -234,7 +239,7 @@ async fn a_node_reporting_a_lower_tip_does_not_move_our_tip() {
     let blocks = snapshot(&db, "chain_block").await;
 
     // A node that resynced from scratch: it is at height 3 of a different chain.
-    let lagging = Anvil::spawn().await.unwrap();
+    let lagging = Anvil::spawn_shared_genesis(&[]).await.unwrap();
     mine(&lagging, 3).await;
     let report = scan(&db, EthReader::new(&lagging.url).unwrap(), small_batches()).await;
     assert_eq!(report.our_tip, Some(*heights.last().unwrap() as u64));

@@ -18,6 +18,8 @@ const APPEND_ONLY: &[(&str, &str)] = &[
     ("withdrawal_event", "payload = '{\"x\":1}'"),
     ("nonce_allocation", "withdrawal_id = 2"),
     ("withdrawal_attempt", "max_fee = 200"),
+    ("block_verdict", "reason = 'changed'"),
+    ("chain_identity", "network = 'changed'"),
 ];
 
 #[tokio::test]
@@ -40,34 +42,57 @@ async fn append_only_tables_reject_update_delete_and_truncate() {
 }
 
 #[tokio::test]
-async fn a_block_can_be_orphan_marked_once_and_only_once() {
+async fn a_blocks_standing_changes_only_through_its_verdicts_and_can_come_back() {
     let db = TestDb::new().await;
-    let client = db.owner_client().await;
-    seed_one_of_everything(&client).await;
+    let owner = db.owner_client().await;
+    seed_one_of_everything(&owner).await;
     let block = eth_hash('b');
-    let marked = client
-        .execute("update chain_block set orphaned_at = now() where block_hash = $1 and orphaned_at is null", &[&block])
+    async fn standing(client: &tokio_postgres::Client) -> bool {
+        client
+            .query_one("select orphaned_at is not null from chain_block where block_hash = $1", &[&eth_hash('b')])
+            .await
+            .unwrap()
+            .get(0)
+    }
+    // Not even the owner sets the projection without a verdict.
+    let message =
+        refused(&owner, &format!("update chain_block set orphaned_at = now() where block_hash = '{block}'")).await;
+    assert!(message.contains("must reflect the latest block_verdict"), "{message}");
+    // The rival at the same height (orphaned by the seed) must not be canonical twice over.
+    assert!(!standing(&owner).await);
+
+    // The service appends verdicts; the projection follows in the same statement.
+    let app = db.pool.get().await.unwrap();
+    let verdict = |seq: i32, verdict: &'static str| {
+        format!("insert into block_verdict (chain, block_hash, seq, verdict, reason) values ('eth', '{block}', {seq}, '{verdict}', 'test')")
+    };
+    app.batch_execute(&verdict(1, "orphaned")).await.expect("an orphaned verdict");
+    assert!(standing(&owner).await);
+    let message =
+        refused(&owner, &format!("update chain_block set orphaned_at = null where block_hash = '{block}'")).await;
+    assert!(message.contains("must reflect the latest block_verdict"), "un-orphaning without a verdict: {message}");
+    app.batch_execute(&verdict(2, "reinstated")).await.expect("the block comes back");
+    assert!(!standing(&owner).await);
+    app.batch_execute(&verdict(3, "orphaned")).await.expect("and may be orphaned again");
+    assert!(standing(&owner).await);
+    let message = app.batch_execute(&verdict(3, "reinstated")).await.expect_err("a verdict's seq is unique");
+    assert!(message.as_db_error().unwrap().message().contains("duplicate key"), "{message}");
+
+    // The service cannot touch chain_block itself, and nobody changes another column.
+    let denied = app
+        .batch_execute(&format!("update chain_block set orphaned_at = null where block_hash = '{block}'"))
         .await
-        .expect("the first orphan mark is the one permitted update");
-    assert_eq!(marked, 1);
-    let message =
-        refused(&client, &format!("update chain_block set orphaned_at = now() where block_hash = '{block}'")).await;
-    assert!(message.contains("UPDATE rejected"), "{message}");
-    let message =
-        refused(&client, &format!("update chain_block set orphaned_at = null where block_hash = '{block}'")).await;
-    assert!(message.contains("UPDATE rejected"), "un-orphaning must be refused: {message}");
+        .expect_err("the service has no update privilege on chain_block");
+    assert!(denied.as_db_error().unwrap().message().contains("permission denied"), "{denied}");
     let message = refused(
-        &client,
-        &format!("update chain_block set orphaned_at = now(), height = 11 where block_hash = '{}'", eth_hash('b')),
+        &owner,
+        &format!("update chain_block set orphaned_at = null, height = 11 where block_hash = '{}'", eth_hash('b')),
     )
     .await;
     assert!(message.contains("UPDATE rejected"), "{message}");
-    let still_orphaned: bool = client
-        .query_one("select orphaned_at is not null and height = 10 from chain_block where block_hash = $1", &[&block])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(still_orphaned);
+    let height: i64 =
+        owner.query_one("select height from chain_block where block_hash = $1", &[&block]).await.unwrap().get(0);
+    assert_eq!(height, 10);
 }
 
 #[tokio::test]
@@ -102,5 +127,5 @@ async fn raw_blocks_may_be_pruned_but_never_changed() {
     assert!(message.contains("TRUNCATE rejected"), "{message}");
     assert_eq!(client.execute("delete from raw_block", &[]).await.expect("pruning is allowed"), 1);
     let blocks: i64 = client.query_one("select count(*) from chain_block", &[]).await.unwrap().get(0);
-    assert_eq!(blocks, 1, "pruning raw bytes keeps the block observation");
+    assert_eq!(blocks, 2, "pruning raw bytes keeps the block observations");
 }

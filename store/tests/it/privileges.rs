@@ -51,6 +51,8 @@ const FACT_TABLES: &[&str] = &[
     "nonce_allocation",
     "withdrawal_attempt",
     "orphan_mark",
+    "block_verdict",
+    "chain_identity",
     "operator_action",
     "api_token",
 ];
@@ -59,13 +61,16 @@ const FACT_TABLES: &[&str] = &[
 async fn the_service_role_cannot_update_or_delete_any_fact() {
     let (db, app) = seeded().await;
     for table in FACT_TABLES {
-        // A column the service may not update (orphaned_at, valid_to_height and revoked_at are
+        // A column the service may not update (valid_to_height and revoked_at are
         // the set-once exceptions, guarded by their triggers).
         let column = match *table {
-            "chain_block" | "raw_block" => "seen_at = now()",
+            "chain_block" => "orphaned_at = null",
+            "raw_block" => "seen_at = now()",
             "wallet_address" => "account_id = account_id",
             "api_token" => "name = name",
             "orphan_mark" => "orphaned_at = now()",
+            "block_verdict" => "reason = 'changed'",
+            "chain_identity" => "genesis_hash = genesis_hash",
             "operator_action" | "reversal_proposal" => "id = id",
             "reversal_decision" => "decided_by = 'mallory'",
             "ledger_posting" | "deposit_event" => "amount = amount + 1",
