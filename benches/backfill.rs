@@ -47,6 +47,13 @@ impl ChainReader for Synthetic {
     fn chain(&self) -> Chain {
         Chain::Eth
     }
+    async fn identity(&self) -> Result<custodian_ingest::ChainIdentity, ReadError> {
+        Ok(custodian_ingest::ChainIdentity {
+            network: "ethereum".to_owned(),
+            genesis_hash: block_hash(0),
+            chain_id: Some(31337),
+        })
+    }
     async fn tip_height(&self) -> Result<u64, ReadError> {
         Ok(self.blocks - 1)
     }
@@ -60,7 +67,9 @@ impl ChainReader for Synthetic {
         let transfers = (0..TXS_PER_BLOCK)
             .map(|i| Transfer {
                 tx_hash: format!("0x{height:056x}{i:08x}"),
+                kind: custodian_ingest::DepositKind::Native,
                 output_index: 0,
+                coinbase: false,
                 to: if i % WATCHED_EVERY == 0 {
                     watched((height * (TXS_PER_BLOCK / WATCHED_EVERY) + i / WATCHED_EVERY) % WATCHED_ADDRESSES)
                 } else {

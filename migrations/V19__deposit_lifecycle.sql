@@ -356,6 +356,36 @@ select account_id,
 
 grant select on account_balance, deposit_status to custodian_reader, custodian_service;
 
+-- Keys whose every observation is on an orphaned block, with the grace period the reconciliation
+-- waits before opening a discrepancy: the canonical chain must have built the key's own
+-- confirmation count in blocks beyond the old chain's tip (the highest block orphaned together
+-- with the key's block), so money re-mined soon after a reorg never raises a discrepancy.
+create index block_verdict_orphaning on block_verdict (chain, recorded_at) where verdict = 'orphaned';
+
+create view deposit_lost as
+select s.deposit_key, s.chain, s.tx_hash, s.kind, s.output_index, s.block_hash, s.height, s.asset,
+       s.required_confirmations, s.custody_posted, s.credited_account, s.last_credit_id,
+       lost.old_tip, tip.height as tip,
+       coalesce(tip.height - lost.old_tip >= s.required_confirmations, false) as grace_passed
+  from (select distinct on (o.deposit_key) o.*
+          from deposit_status o where o.orphaned
+         order by o.deposit_key, o.height desc) s
+  join chain_tip tip on tip.chain = s.chain
+  cross join lateral (
+        select max(b2.height) as old_tip
+          from (select v.chain, v.recorded_at from block_verdict v
+                 where v.chain = s.chain and v.block_hash = s.block_hash
+                 order by v.seq desc limit 1) latest
+          join block_verdict v2 on v2.chain = latest.chain and v2.verdict = 'orphaned'
+                               and v2.recorded_at = latest.recorded_at
+          join chain_block b2 on b2.chain = v2.chain and b2.block_hash = v2.block_hash
+  ) lost
+ where not exists (select 1 from deposit_event d join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
+                    where d.chain = s.chain and d.tx_hash = s.tx_hash and d.kind = s.kind
+                      and d.output_index = s.output_index and b.orphaned_at is null);
+
+grant select on deposit_lost to custodian_reader, custodian_service;
+
 -- The history with block verdicts in place of orphan marks ('orphan_mark' keeps its name;
 -- 'block_reinstated' is new), and deposit kinds.
 create or replace view audit_event as

@@ -34,6 +34,10 @@ pub struct GlobalArgs {
     /// (required whenever hot-wallet keys are configured).
     #[arg(long = "eth-chain-id", global = true, env = "CUSTODIAN_ETH_CHAIN_ID")]
     pub eth_chain_id: Option<u64>,
+    /// Read ETH call traces (internal deposits: contract wallets, batch payouts); `false` scans
+    /// without them, knowingly, on a node without `debug_traceBlockByNumber` [default: true].
+    #[arg(long = "eth-traces", global = true, env = "CUSTODIAN_ETH_TRACES")]
+    pub eth_traces: Option<bool>,
     /// Bitcoin Core JSON-RPC endpoint.
     #[arg(long = "btc-rpc", global = true, env = "CUSTODIAN_BTC_RPC_URL", hide_env_values = true)]
     pub btc_rpc: Option<String>,

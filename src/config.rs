@@ -52,6 +52,8 @@ pub struct EthConfig {
     pub chain_id: Option<u64>,
     /// Account-level xpub (m/44'/60'/0') deposit addresses are derived from.
     pub deposit_xpub: Option<String>,
+    /// Read call traces for internal deposits (default true).
+    pub traces: Option<bool>,
 }
 
 /// `[btc]`.

@@ -22,6 +22,8 @@ pub struct Settings {
     pub eth_rpc: Option<String>,
     /// The chain id withdrawals are signed for.
     pub eth_chain_id: Option<u64>,
+    /// Whether ETH call traces are read.
+    pub eth_traces: bool,
     /// Bitcoin Core JSON-RPC endpoint, if configured.
     pub btc_rpc: Option<String>,
     /// Bitcoin Core credentials.
@@ -90,6 +92,7 @@ impl Settings {
             migrate_database_url,
             eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
             eth_chain_id: args.eth_chain_id.or(file.eth.chain_id),
+            eth_traces: args.eth_traces.or(file.eth.traces).unwrap_or(true),
             btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
             btc_auth,
             btc_network,

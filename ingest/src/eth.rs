@@ -59,18 +59,19 @@ impl EthReader {
         if !self.traces {
             return Ok(());
         }
-        let _: Box<RawValue> =
-            self.call("debug_traceBlockByNumber", (quantity(0), call_tracer())).await.map_err(|e| {
-                ReadError::WrongNetwork {
-                    chain: Chain::Eth,
-                    message: format!(
-                        "the node does not answer debug_traceBlockByNumber with the callTracer ({e}); ETH sent by \
+        match self.call::<_, Box<RawValue>>("debug_traceBlockByNumber", (quantity(0), call_tracer())).await {
+            Ok(_) => Ok(()),
+            // The node answered, and refused: it has no trace API (or not the callTracer).
+            Err(ReadError::Rpc { message, .. }) => Err(ReadError::WrongNetwork {
+                chain: Chain::Eth,
+                message: format!(
+                    "the node does not answer debug_traceBlockByNumber with the callTracer ({message}); ETH sent by \
                      contracts would not be seen. Use a node with the debug API, or set [eth] traces = false \
                      (CUSTODIAN_ETH_TRACES=false) to scan without internal deposits"
-                    ),
-                }
-            })?;
-        Ok(())
+                ),
+            }),
+            Err(other) => Err(other),
+        }
     }
 
     async fn call<P, R>(&self, method: &'static str, params: P) -> Result<R, ReadError>

@@ -414,8 +414,10 @@ pub fn lease_object(chain: Chain) -> i32 {
 pub async fn lease_holder<C: GenericClient>(client: &C, chain: Chain) -> Result<Option<i32>, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "select pid from pg_locks where locktype = 'advisory' and classid = $1::int::oid and objid = $2::int::oid
-                and objsubid = 2 and granted limit 1",
+            "select pid from pg_locks
+              where locktype = 'advisory' and classid = $1::int::oid and objid = $2::int::oid and objsubid = 2
+                and granted and database = (select oid from pg_database where datname = current_database())
+              limit 1",
             &[&LEASE_CLASS, &lease_object(chain)],
         )
         .await?;

@@ -1,8 +1,10 @@
 //! Value-dependent confirmation policy: small deposits are fast, large ones wait.
 //!
-//! A deposit needs the confirmations of the tier with the largest `min_amount` not above its
-//! amount. Tokens without tiers of their own use their chain's native tiers (the `deposit_status`
-//! view implements the lookup; this module edits and lists the tiers).
+//! A deposit needs the confirmations of its asset's tier with the largest `min_amount` not above
+//! what its transaction pays the same account in that asset (splitting a payment does not make it
+//! faster). An asset without its own tiers uses the chain's deepest tier, never a native tier read
+//! in token units; a BTC coinbase output needs 100 blocks whatever the tier. The `deposit_status`
+//! view implements the lookup; this module edits and lists the tiers.
 
 use alloy_primitives::U256;
 use custodian_domain::{Amount, Chain};
@@ -88,14 +90,14 @@ pub async fn required_confirmations<C: GenericClient>(
 ) -> Result<Option<i32>, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "select cp.confirmations from confirmation_policy cp
-              where cp.chain = $1
-                and cp.asset = case when exists (select 1 from confirmation_policy o where o.chain = $1 and o.asset = $2)
-                                    then $2 else case $1 when 'eth' then 'ETH' else 'BTC' end end
-                and cp.min_amount <= $3
-              order by cp.min_amount desc limit 1",
+            "select coalesce(
+                 (select cp.confirmations from confirmation_policy cp
+                   where cp.chain = $1 and cp.asset = $2 and cp.min_amount <= $3
+                   order by cp.min_amount desc limit 1),
+                 (select max(cp.confirmations) from confirmation_policy cp
+                   where cp.chain = $1 and cp.asset = case $1 when 'eth' then 'ETH' else 'BTC' end))",
             &[&chain.as_str(), &asset, &amount.units()],
         )
         .await?;
-    Ok(row.map(|r| r.get(0)))
+    Ok(row.and_then(|r| r.get(0)))
 }

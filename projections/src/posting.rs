@@ -6,8 +6,9 @@
 //! - chain more than ledger (a first confirmation, or money re-mined after a reversal): credit it,
 //!   automatically, under `{key}:credit:{n}`: first back to `treasury` whatever it absorbed for the
 //!   key, the rest to the owner. Crediting money confirmed on chain needs no review.
-//! - ledger more than chain, with no canonical observation for the key's own confirmation count in
-//!   blocks: open a discrepancy round for review. A round closes by itself, recording why, when
+//! - ledger more than chain, with no canonical observation once the chain has built the key's own
+//!   confirmation count in blocks beyond the orphaned chain's tip: open a discrepancy round for
+//!   review. A round closes by itself, recording why, when
 //!   the money is re-mined before anyone decides.
 //!
 //! Each statement is idempotent on its unique key (`{key}:credit:{n}`, `(key, round)`, one
@@ -98,29 +99,22 @@ with chain_side as (
 )
 select count(distinct transfer_id) from postings";
 
-/// Keys the ledger holds money for, with no canonical observation, once the canonical chain has
-/// built the key's own confirmation count in blocks from the height it was last seen at, and no
-/// round open: a new discrepancy round. Only keys observed in orphaned blocks are considered.
+/// Keys the ledger holds money for whose every observation is orphaned, once the grace period
+/// passed (`deposit_lost`: the key's own confirmation count in blocks beyond the old chain's tip),
+/// with no round open: a new discrepancy round.
 const OPEN_DISCREPANCIES: &str = "
 insert into reversal_proposal (deposit_key, round, chain, tx_hash, kind, output_index, transfer_id,
                                ledger_account, asset, amount, reason)
-select s.deposit_key,
-       coalesce((select max(r.round) from reversal_proposal r where r.deposit_key = s.deposit_key), 0) + 1,
-       s.chain, s.tx_hash, s.kind, s.output_index, s.last_credit_id, s.credited_account, s.asset, s.custody_posted,
-       'every observation of the deposit is on an orphaned block, and the canonical chain has built '
-           || (tip.height - s.height + 1) || ' blocks from its height ' || s.height || ' without it (grace: '
-           || s.required_confirmations || ')'
-  from (select distinct on (s.deposit_key) s.*
-          from deposit_status s
-         where s.chain = $1 and s.orphaned and s.custody_posted > 0
-         order by s.deposit_key, s.height desc) s
-  join chain_tip tip on tip.chain = s.chain
- where tip.height - s.height + 1 >= s.required_confirmations
-   and not exists (select 1 from deposit_event d join chain_block b on b.chain = d.chain and b.block_hash = d.block_hash
-                    where d.chain = s.chain and d.tx_hash = s.tx_hash and d.kind = s.kind
-                      and d.output_index = s.output_index and b.orphaned_at is null)
+select l.deposit_key,
+       coalesce((select max(r.round) from reversal_proposal r where r.deposit_key = l.deposit_key), 0) + 1,
+       l.chain, l.tx_hash, l.kind, l.output_index, l.last_credit_id, l.credited_account, l.asset, l.custody_posted,
+       'every observation of the deposit is on an orphaned block; the canonical chain reached ' || l.tip
+           || ', ' || (l.tip - l.old_tip) || ' blocks beyond the orphaned chain''s tip ' || l.old_tip
+           || ', without it (grace: ' || l.required_confirmations || ' blocks)'
+  from deposit_lost l
+ where l.chain = $1 and l.grace_passed and l.custody_posted > 0
    and not exists (select 1 from reversal_proposal r
-                    where r.deposit_key = s.deposit_key
+                    where r.deposit_key = l.deposit_key
                       and not exists (select 1 from reversal_decision x where x.proposal_id = r.id))
 on conflict (deposit_key, round) do nothing";
 

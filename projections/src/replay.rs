@@ -73,9 +73,7 @@ with keys as (
       from pg_temp.replay_observed where not orphaned
      order by deposit_key, confirmed desc, height
 ), lost as (
-    select o.deposit_key, bool_or(tip.height - o.height + 1 < o.required_confirmations) as in_grace
-      from pg_temp.replay_observed o join chain_tip tip on tip.chain = split_part(o.deposit_key, ':', 2)
-     where o.orphaned group by o.deposit_key
+    select deposit_key, not grace_passed as in_grace from deposit_lost
 ), rounds as (
     select distinct on (r.deposit_key) r.deposit_key, r.amount, d.decision, d.compensating_transfer_id
       from reversal_proposal r left join reversal_decision d on d.proposal_id = r.id

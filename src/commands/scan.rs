@@ -97,6 +97,21 @@ fn config(settings: &Settings, from_height: Option<u64>) -> ScanConfig {
     }
 }
 
+/// The ETH reader as configured, its trace API checked when traces are on: a node without it is a
+/// start-up error naming the way out.
+pub async fn eth_reader(settings: &Settings) -> Result<EthReader> {
+    let url = settings
+        .eth_rpc
+        .as_deref()
+        .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
+    let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?.with_traces(settings.eth_traces);
+    match reader.check_traces().await {
+        Ok(()) => Ok(reader),
+        Err(e @ custodian_ingest::ReadError::WrongNetwork { .. }) => Err(invalid(e.to_string())),
+        Err(e) => Err(anyhow::Error::new(e).context("checking the Ethereum node's trace API")),
+    }
+}
+
 pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Option<u64>) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     if let Some(from) = from_height {
@@ -111,11 +126,7 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
     let config = config(settings, from_height);
     match chain {
         Chain::Eth => {
-            let url = settings
-                .eth_rpc
-                .as_deref()
-                .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
-            let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?;
+            let reader = eth_reader(settings).await?;
             run(
                 settings,
                 Scanner::new(reader, pool.clone(), config).with_after_step(std::sync::Arc::new(PostAfterStep(pool))),
@@ -154,7 +165,10 @@ async fn run<R: ChainReader>(settings: &Settings, scanner: Scanner<R>, once: boo
         scanner.run(&progress, stopped).await
     };
     progress.finish();
-    let report = outcome.with_context(|| format!("scanning {chain}"))?;
+    let report = match outcome {
+        Err(e @ custodian_ingest::ScanError::LeaseHeld { .. }) => return Err(anyhow::Error::new(e)),
+        other => other.with_context(|| format!("scanning {chain}"))?,
+    };
     if settings.json {
         super::print_json(&json!({ "chain": chain, "report": report }))?;
     } else {

@@ -14,8 +14,7 @@ use anyhow::{Context, Result};
 use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
 use custodian_domain::Chain;
 use custodian_ingest::btc::BtcReader;
-use custodian_ingest::eth::EthReader;
-use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner};
+use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner, ScannerState, StateHandle};
 use custodian_store::Pool;
 use custodian_withdrawals::{hot_wallet, EthNode, Worker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -146,14 +145,20 @@ pub async fn run(
     // Parts that stopped for good (a worker on the wrong chain): /healthz answers 503 with them.
     let broken: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let config = ScanConfig { retention_blocks: settings.retention_blocks, ..ScanConfig::default() };
-    if let Some(url) = &settings.eth_rpc {
-        let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?;
-        tasks.spawn(scan(reader, pool.clone(), config.clone(), stopped.clone()));
+    // Each scanner's state, for /healthz: scanning, standby, retrying since …, stopped.
+    let mut scanners: Vec<(Chain, StateHandle)> = Vec::new();
+    if settings.eth_rpc.is_some() {
+        let reader = super::scan::eth_reader(settings).await?;
+        let state = StateHandle::new(std::sync::Mutex::new(ScannerState::Starting));
+        scanners.push((Chain::Eth, state.clone()));
+        tasks.spawn(scan(reader, pool.clone(), config.clone(), state, stopped.clone()));
     }
     if let Some(url) = &settings.btc_rpc {
         let reader =
             BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network).map_err(|e| invalid(e.to_string()))?;
-        tasks.spawn(scan(reader, pool.clone(), config, stopped.clone()));
+        let state = StateHandle::new(std::sync::Mutex::new(ScannerState::Starting));
+        scanners.push((Chain::Btc, state.clone()));
+        tasks.spawn(scan(reader, pool.clone(), config, state, stopped.clone()));
     }
     if let Some(url) = &settings.eth_rpc {
         let lanes = hot_wallet::lanes(&pool.get().await?).await?;
@@ -164,7 +169,8 @@ pub async fn run(
         tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone(), broken.clone()));
     }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
-    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(warnings), broken, stopped.clone()));
+    let parts = Parts { warnings, broken, scanners };
+    tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(parts), stopped.clone()));
     let mut api_stopped = stopped.clone();
     let api_shutdown = async move {
         let _ = api_stopped.wait_for(|stop| *stop).await;
@@ -198,10 +204,12 @@ async fn scan<R: ChainReader + 'static>(
     reader: R,
     pool: Pool,
     config: ScanConfig,
+    state: StateHandle,
     stopped: watch::Receiver<bool>,
 ) -> Result<()> {
     let chain = reader.chain();
-    let scanner = Scanner::new(reader, pool.clone(), config).with_after_step(Arc::new(PostAfterStep(pool)));
+    let scanner =
+        Scanner::new(reader, pool.clone(), config).with_after_step(Arc::new(PostAfterStep(pool))).with_state(state);
     scanner.run(&NoProgress, stopped).await.with_context(|| format!("{chain} scanner"))?;
     Ok(())
 }
@@ -254,14 +262,40 @@ async fn gauges(pool: Pool, mut stopped: watch::Receiver<bool>) -> Result<()> {
     Ok(())
 }
 
+/// What `/healthz` reports besides the database.
+struct Parts {
+    /// Standing warnings (plaintext listeners, unverified TLS).
+    warnings: Vec<String>,
+    /// Parts that stopped for good.
+    broken: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Each scanner's state.
+    scanners: Vec<(Chain, StateHandle)>,
+}
+
+impl Parts {
+    /// Reasons to answer 503, and a line per scanner.
+    fn report(&self) -> (Vec<String>, Vec<String>) {
+        let mut down = self.broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let mut lines = Vec::new();
+        for (chain, state) in &self.scanners {
+            let state = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            if state.is_stopped() {
+                down.push(format!("the {chain} scanner {}", state.describe()));
+            }
+            lines.push(format!("{chain} scanner: {}", state.describe()));
+        }
+        (down, lines)
+    }
+}
+
 /// A minimal HTTP/1.1 responder: `GET /metrics` (Prometheus text) and `GET /healthz` (200 when
-/// the database answers, 503 otherwise). One request per connection.
+/// the database answers and no part stopped, 503 otherwise, with each scanner's state). One
+/// request per connection.
 async fn health(
     listener: tokio::net::TcpListener,
     pool: Pool,
     recorder: Arc<metrics_exporter_prometheus::PrometheusHandle>,
-    warnings: Arc<Vec<String>>,
-    broken: Arc<std::sync::Mutex<Vec<String>>>,
+    parts: Arc<Parts>,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<()> {
     loop {
@@ -269,25 +303,26 @@ async fn health(
             accepted = listener.accept() => accepted?,
             _ = stopped.wait_for(|stop| *stop) => return Ok(()),
         };
-        let (pool, recorder, warnings, broken) = (pool.clone(), recorder.clone(), warnings.clone(), broken.clone());
+        let (pool, recorder, parts) = (pool.clone(), recorder.clone(), parts.clone());
         tokio::spawn(async move {
             let mut buffer = [0u8; 1024];
             let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await;
             let Ok(Ok(n)) = read else { return };
             let request = String::from_utf8_lossy(&buffer[..n]);
             let path = request.split_whitespace().nth(1).unwrap_or("/");
+            let (down, scanner_lines) = parts.report();
+            let scanner_lines: String = scanner_lines.iter().map(|l| format!("{l}\n")).collect();
             let (status, body) = match path {
                 "/metrics" => ("200 OK", recorder.render()),
-                "/healthz" if !broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_empty() => {
-                    let reasons = broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).join("\n");
-                    ("503 Service Unavailable", format!("stopped: {reasons}\n"))
+                "/healthz" if !down.is_empty() => {
+                    ("503 Service Unavailable", format!("stopped: {}\n{scanner_lines}", down.join("\n")))
                 }
                 "/healthz" => match pool.get().await {
                     Ok(client) if client.query_one("select 1", &[]).await.is_ok() => {
-                        let notes: String = warnings.iter().map(|w| format!("warning: {w}\n")).collect();
-                        ("200 OK", format!("ok\n{notes}"))
+                        let notes: String = parts.warnings.iter().map(|w| format!("warning: {w}\n")).collect();
+                        ("200 OK", format!("ok\n{scanner_lines}{notes}"))
                     }
-                    _ => ("503 Service Unavailable", "database unreachable\n".to_owned()),
+                    _ => ("503 Service Unavailable", format!("database unreachable\n{scanner_lines}")),
                 },
                 _ => ("404 Not Found", "not found\n".to_owned()),
             };

@@ -174,6 +174,18 @@ impl BitcoinSim {
         self.shared.chain().reorg(depth, replacement)
     }
 
+    /// Mines one block per entry of `blocks` on `parent`, any known block (a stale one too);
+    /// the branch becomes the active chain when it ends with more work, as in Bitcoin Core, and
+    /// blocks abandoned by an earlier reorg come back (a flip-back).
+    pub fn mine_branch(&self, parent: BlockHash, blocks: &[Vec<Transaction>]) -> Vec<BlockHash> {
+        self.shared.chain().mine_branch(parent, blocks)
+    }
+
+    /// Mines one block on the active tip whose coinbase pays `address` its subsidy.
+    pub fn mine_coinbase_to(&self, address: &Address, txs: &[Transaction]) -> BlockHash {
+        self.shared.chain().mine_coinbase_to(&address.script_pubkey(), txs)
+    }
+
     /// The active tip's height.
     pub fn height(&self) -> u64 {
         self.shared.chain().tip_height()

@@ -5,6 +5,7 @@ pub mod anvil;
 pub mod btcsim;
 pub mod db;
 pub mod fixtures;
+pub mod proxy;
 pub mod tls_proxy;
 
 pub use anvil::Anvil;

@@ -72,11 +72,16 @@ async fn confirmation_tiers_apply_exactly_at_and_around_each_boundary() {
         let required = policy::required_confirmations(&client, chain, asset, amount).await.unwrap();
         assert_eq!(required, Some(expected), "{chain} {asset} {amount}");
     }
-    // A token without tiers uses its chain's; once it has tiers, only its own.
+    // A token without tiers uses its chain's deepest tier, never a native tier read in token units
+    // (10^18 units of a 6-decimal token are not 1 ETH); once it has tiers, only its own.
     let token = "0x5aaeb6053f3e94c9b9a09f33669435e7ef1beaed";
     ownership::add_token(&client, token, "TT", 6).await.unwrap();
     let key = format!("eth:{token}");
-    assert_eq!(policy::required_confirmations(&client, Chain::Eth, &key, eth("1")).await.unwrap(), Some(32));
+    for units in [1u64, 1_000_000_000, u64::MAX] {
+        let required =
+            policy::required_confirmations(&client, Chain::Eth, &key, Amount::from_u64(units)).await.unwrap();
+        assert_eq!(required, Some(64), "{units} units of a token without tiers");
+    }
     policy::set_tier(&client, Chain::Eth, &key, Amount::ZERO, 5, "operator").await.unwrap();
     policy::set_tier(&client, Chain::Eth, &key, Amount::from_u64(1_000_000_000), 20, "operator").await.unwrap();
     for (units, expected) in [(1u64, 5), (999_999_999, 5), (1_000_000_000, 20), (u64::MAX, 20)] {

@@ -4,6 +4,7 @@ mod cli;
 mod deposits;
 mod harness;
 mod ledger;
+mod lifecycle;
 mod properties;
 mod serve;
 mod withdrawals;

@@ -81,6 +81,14 @@ pub enum WorkError {
         /// What the node said.
         node: u64,
     },
+    /// The node's chain is not the one the scanners recorded (another genesis or chain id).
+    #[error("the Ethereum node serves {node}, but this database records {recorded}: nothing was signed")]
+    WrongIdentity {
+        /// What the scanner recorded on the first scan.
+        recorded: String,
+        /// What the node says.
+        node: String,
+    },
     /// The database failed.
     #[error("database error: {0}")]
     Database(String),
@@ -89,7 +97,7 @@ pub enum WorkError {
 impl WorkError {
     /// Whether retrying cannot help until an operator changes something (wrong chain, wrong key).
     pub fn is_fatal(&self) -> bool {
-        matches!(self, WorkError::WrongChain { .. } | WorkError::WrongKey { .. })
+        matches!(self, WorkError::WrongChain { .. } | WorkError::WrongKey { .. } | WorkError::WrongIdentity { .. })
     }
 }
 
@@ -354,16 +362,31 @@ impl Worker {
         Ok(report)
     }
 
-    /// The node's chain id, refused unless it is the configured one.
+    /// The node's chain id, refused unless it is the configured one and the node's chain is the
+    /// one the scanner recorded (chain id and genesis block).
     async fn chain_id(&self) -> Result<u64, WorkError> {
         let node = self.node.chain_id().await?;
-        match self.config.chain_id {
-            Some(configured) if configured != node => {
-                tracing::error!(configured, node, "ALERT: the Ethereum node is on another chain; the worker stops");
-                Err(WorkError::WrongChain { configured, node })
-            }
-            _ => Ok(node),
+        if let Some(configured) = self.config.chain_id.filter(|configured| *configured != node) {
+            tracing::error!(configured, node, "ALERT: the Ethereum node is on another chain; the worker stops");
+            return Err(WorkError::WrongChain { configured, node });
         }
+        let recorded = self
+            .pool
+            .get()
+            .await?
+            .query_opt("select genesis_hash, chain_id from chain_identity where chain = 'eth'", &[])
+            .await?
+            .map(|row| (row.get::<_, String>(0), row.get::<_, Option<i64>>(1)));
+        if let Some((genesis, chain_id)) = recorded {
+            let theirs = self.node.block_hash(0).await?.map(hex);
+            if theirs.as_deref() != Some(genesis.as_str()) || chain_id != i64::try_from(node).ok() {
+                let recorded = format!("chain id {} with genesis {genesis}", chain_id.unwrap_or_default());
+                let node = format!("chain id {node} with genesis {}", theirs.unwrap_or_else(|| "none".to_owned()));
+                tracing::error!(%recorded, %node, "ALERT: the Ethereum node is on another chain; the worker stops");
+                return Err(WorkError::WrongIdentity { recorded, node });
+            }
+        }
+        Ok(node)
     }
 
     /// Only the allocate-and-sign step for one lane (its simulation included): what a process

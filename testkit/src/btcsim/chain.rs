@@ -150,6 +150,41 @@ impl Chain {
         replacement.iter().map(|txs| self.extend_active(txs)).collect()
     }
 
+    /// Mines one block per entry of `blocks` on `parent` (any known block, a stale one included).
+    /// When the branch ends with more work than the active chain, Bitcoin Core switches to it:
+    /// so does the simulator, and blocks abandoned earlier come back. Returns the new hashes.
+    pub(super) fn mine_branch(&mut self, parent: BlockHash, blocks: &[Vec<Transaction>]) -> Vec<BlockHash> {
+        assert!(self.entries.contains_key(&parent), "unknown parent block {parent}");
+        let mut tip = parent;
+        let mut mined = Vec::new();
+        for txs in blocks {
+            new_txids(txs);
+            tip = self.mine_on(tip, txs);
+            mined.push(tip);
+        }
+        if self.entries[&tip].chainwork > self.tip().chainwork {
+            let mut branch = Vec::new();
+            let mut cursor = Some(tip);
+            while let Some(hash) = cursor {
+                branch.push(hash);
+                let entry = &self.entries[&hash];
+                cursor = (entry.height > 0).then_some(entry.block.header.prev_blockhash);
+            }
+            branch.reverse();
+            self.active = branch;
+            self.active_txids = self.active.iter().flat_map(|h| self.entries[h].txids.iter().copied()).collect();
+        }
+        mined
+    }
+
+    /// Mines one block on the active tip whose coinbase pays `script` (a pool paying a miner).
+    pub(super) fn mine_coinbase_to(&mut self, script: &ScriptBuf, txs: &[Transaction]) -> BlockHash {
+        let saved = std::mem::replace(&mut self.coinbase_script, script.clone());
+        let hash = self.mine(txs);
+        self.coinbase_script = saved;
+        hash
+    }
+
     /// Mines a block with `txs` on the tip and appends it to the active chain.
     fn extend_active(&mut self, txs: &[Transaction]) -> BlockHash {
         let hash = self.mine_on(self.tip().hash, txs);
