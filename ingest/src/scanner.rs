@@ -282,6 +282,8 @@ pub struct Scanner<R> {
     /// The chain's lease, while this scanner holds it.
     lease: tokio::sync::Mutex<Option<Lease>>,
     state: StateHandle,
+    /// When the current run of failures began (node calls retried inside a step included).
+    failing_since: std::sync::Mutex<Option<std::time::SystemTime>>,
 }
 
 enum Step {
@@ -301,6 +303,7 @@ impl<R: ChainReader> Scanner<R> {
             prefetched: std::sync::Mutex::new(None),
             lease: tokio::sync::Mutex::new(None),
             state: std::sync::Arc::new(std::sync::Mutex::new(ScannerState::Starting)),
+            failing_since: std::sync::Mutex::new(None),
         }
     }
 
@@ -319,6 +322,22 @@ impl<R: ChainReader> Scanner<R> {
     /// The scanner's state.
     pub fn state(&self) -> StateHandle {
         self.state.clone()
+    }
+
+    /// Records a transient failure: the state says `retrying since …` from the first one on.
+    fn note_failure(&self, reason: String) {
+        let since = *self
+            .failing_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert_with(std::time::SystemTime::now);
+        self.set_state(ScannerState::Retrying { since, reason });
+    }
+
+    /// Records progress: the state is `state` and the failures are over.
+    fn note_progress(&self, state: ScannerState) {
+        self.failing_since.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        self.set_state(state);
     }
 
     fn set_state(&self, state: ScannerState) {
@@ -376,7 +395,6 @@ impl<R: ChainReader> Scanner<R> {
         let mut report = ScanReport::default();
         let started = Instant::now();
         let mut backoff = self.config.initial_backoff;
-        let mut failing_since = None;
         let chain = self.chain();
         while !*shutdown.borrow() {
             let step = tokio::select! {
@@ -386,18 +404,17 @@ impl<R: ChainReader> Scanner<R> {
             let wait = match step {
                 Ok(step) => {
                     backoff = self.config.initial_backoff;
-                    failing_since = None;
                     match step {
                         Step::Stored => {
-                            self.set_state(ScannerState::Scanning);
+                            self.note_progress(ScannerState::Scanning);
                             continue;
                         }
                         Step::CaughtUp => {
-                            self.set_state(ScannerState::Scanning);
+                            self.note_progress(ScannerState::Scanning);
                             self.config.poll_interval
                         }
                         Step::Standby(holder) => {
-                            self.set_state(ScannerState::Standby { holder });
+                            self.note_progress(ScannerState::Standby { holder });
                             self.config.lease_poll
                         }
                     }
@@ -413,12 +430,11 @@ impl<R: ChainReader> Scanner<R> {
                     if matches!(e, ScanError::LeaseLost { .. }) {
                         self.lease.lock().await.take();
                     }
-                    let since = *failing_since.get_or_insert_with(std::time::SystemTime::now);
                     metrics::counter!("custodian_scanner_retries_total", "chain" => chain.as_str(), "reason" => e.label())
                         .increment(1);
                     let wait = jittered(backoff);
                     tracing::warn!(%chain, retry_in_ms = wait.as_millis() as u64, "scan step failed, retrying: {e}");
-                    self.set_state(ScannerState::Retrying { since, reason: e.to_string() });
+                    self.note_failure(e.to_string());
                     backoff = (backoff * 2).min(self.config.max_backoff);
                     wait
                 }
@@ -511,6 +527,9 @@ impl<R: ChainReader> Scanner<R> {
                 Err(e) => {
                     tracing::debug!(chain = %self.chain(), attempt = attempts, retry_in_ms = backoff.as_millis() as u64,
                         "{what} failed, retrying: {e}");
+                    metrics::counter!("custodian_scanner_retries_total", "chain" => self.chain().as_str(), "reason" => "node_call")
+                        .increment(1);
+                    self.note_failure(format!("{what}: {e}"));
                     tokio::time::sleep(jittered(backoff)).await;
                     backoff = (backoff * 2).min(self.config.max_backoff);
                 }

@@ -5,6 +5,7 @@ mod deposits;
 mod harness;
 mod ledger;
 mod lifecycle;
+mod lifecycle_eth;
 mod properties;
 mod serve;
 mod withdrawals;

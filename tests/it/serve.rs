@@ -27,6 +27,11 @@ struct Served {
 
 impl Served {
     fn start(db: &TestDb, anvil: &Anvil, config: &std::path::Path, log: &str) -> Served {
+        Served::start_at(db.url.expose(), &anvil.url, config, log)
+    }
+
+    /// `serve` against `database_url` and the Ethereum node at `eth_url` (proxies, in fault tests).
+    fn start_at(database_url: &str, eth_url: &str, config: &std::path::Path, log: &str) -> Served {
         let stderr_log = std::env::temp_dir().join(format!("custodian-serve-{}-{log}.log", std::process::id()));
         let mut command = Command::new(env!("CARGO_BIN_EXE_custodian"));
         for (key, _) in std::env::vars() {
@@ -35,11 +40,11 @@ impl Served {
             }
         }
         let mut child = command
-            .env("CUSTODIAN_DATABASE_URL", db.url.expose())
+            .env("CUSTODIAN_DATABASE_URL", database_url)
             .env("CUSTODIAN_LOG", "trace")
             .args(["serve", "--config"])
             .arg(config)
-            .args(["--eth-rpc", &anvil.url, "--grpc-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--eth-rpc", eth_url, "--grpc-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
             .args(["--confirmations", "1", "--interval-ms", "100"])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_log).expect("log file"))
@@ -318,4 +323,94 @@ async fn a_node_on_another_chain_is_refused_before_anything_is_signed() {
     let (code, _) = tokio::task::spawn_blocking(move || served.terminate()).await.unwrap();
     assert_eq!(code, 0);
     let _ = (std::fs::remove_file(unpinned), std::fs::remove_file(mainnet));
+}
+
+/// The body of `/healthz` when its status line starts with `status`.
+async fn health_saying(served: &Served, status: &str, needle: &str, what: &str) -> String {
+    eventually(what, Duration::from_secs(30), || async {
+        let answer = http_get(&served.metrics, "/healthz").await;
+        (answer.starts_with(status) && answer.contains(needle)).then_some(answer)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scanner_rides_out_null_receipts_and_a_database_outage_and_healthz_says_so() {
+    use custodian_testkit::proxy::{RpcProxy, TcpProxy};
+    let anvil = Anvil::spawn().await.unwrap();
+    let db = TestDb::new().await;
+    let watched = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8";
+    {
+        let mut client = db.pool.get().await.unwrap();
+        let (account, _) = custodian_store::ownership::create_account(&client, "alice").await.unwrap();
+        custodian_store::ownership::assign_address(
+            &mut client,
+            custodian_domain::Chain::Eth,
+            watched,
+            account.id,
+            Some(0),
+        )
+        .await
+        .unwrap();
+    }
+    let pay = |wei: u64| {
+        let anvil = &anvil;
+        async move {
+            let from = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
+            anvil
+                .rpc("eth_sendTransaction", json!([{"from": from, "to": watched, "value": format!("0x{wei:x}")}]))
+                .await
+                .unwrap();
+            anvil.rpc("anvil_mine", json!(["0xc"])).await.unwrap();
+        }
+    };
+    let credited = |expected: u64| {
+        let db = &db;
+        async move {
+            let client = db.pool.get().await.unwrap();
+            let sum: Option<String> = client
+                .query_one(
+                    "select sum(amount)::text from ledger_posting where ledger_account like 'user:%' and asset = 'ETH'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (sum.as_deref() == Some(expected.to_string().as_str())).then_some(())
+        }
+    };
+    pay(1000).await;
+    let node = RpcProxy::start(&[&anvil.url]).await.unwrap();
+    let database = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await.unwrap();
+    let through_proxy = db.url.expose().replacen(":5432/", &format!(":{}/", database.port), 1);
+    assert_ne!(through_proxy, db.url.expose(), "the proxy sits between serve and PostgreSQL");
+    let config = config_file("faults", "");
+    let served = Served::start_at(&through_proxy, &node.url, &config, "faults");
+    eventually("the first deposit credited", Duration::from_secs(30), || credited(1000)).await;
+    health_saying(&served, "HTTP/1.1 200", "eth scanner: scanning", "healthz to show the scanner").await;
+
+    // A node answering `null` for receipts: retried with backoff, shown, then recovered.
+    node.null_receipts(24);
+    pay(2000).await;
+    let retrying =
+        health_saying(&served, "HTTP/1.1 200", "eth scanner: retrying since", "healthz to show the retries").await;
+    assert!(retrying.contains("changed its chain while block"), "{retrying}");
+    eventually("the receipts to come back", Duration::from_secs(60), || credited(3000)).await;
+    assert_eq!(node.null_receipts_left(), 0);
+    health_saying(&served, "HTTP/1.1 200", "eth scanner: scanning", "healthz to show the recovery").await;
+
+    // The database goes away: 503 while it is gone, the scanner retries, and then carries on.
+    database.set_down(true);
+    pay(4000).await;
+    let down = health_saying(&served, "HTTP/1.1 503", "database unreachable", "healthz to report the outage").await;
+    assert!(down.contains("eth scanner"), "{down}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    database.set_down(false);
+    eventually("the deposit made during the outage", Duration::from_secs(60), || credited(7000)).await;
+    health_saying(&served, "HTTP/1.1 200", "eth scanner: scanning", "healthz after the outage").await;
+    let (code, log) = served.terminate();
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("retrying"), "the retries are logged");
+    let replay = custodian(db.url.expose(), &["replay", "--verify", "--json"]);
+    assert_eq!(replay.code, 0, "{}", replay.stdout);
 }
