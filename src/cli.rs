@@ -355,7 +355,9 @@ pub enum AddressCommand {
         /// The address (EIP-55 or lowercase for ETH; on the configured network for BTC).
         #[arg(long)]
         address: String,
-        /// First height the account owns it (default: 0 when new, our tip + 1 when reassigned).
+        /// First height the account owns it (default: 0 when new; when reassigned, the node's tip + 1,
+        /// so payments in blocks not scanned yet stay with the old owner). A height at or below
+        /// a deposit already observed to the address is refused.
         #[arg(long)]
         from_height: Option<u64>,
     },

@@ -60,10 +60,17 @@ pub async fn assign(
         return Err(invalid("--from-height is too large"));
     }
     let pool = super::pool(settings).await?;
+    // A reassignment takes effect above the node's tip, read before the transaction opens.
+    let node_tip = match from_height {
+        Some(_) => None,
+        None => node_tip(settings, chain).await?,
+    };
     let mut client = pool.get().await.context("taking a database connection")?;
     let account = ownership::find_account(&client, account).await.map_err(classify)?;
     let (owned, changed) =
-        ownership::assign_address(&mut client, chain, &address, account.id, from_height).await.map_err(classify)?;
+        ownership::assign_address_at(&mut client, chain, &address, account.id, from_height, node_tip)
+            .await
+            .map_err(classify)?;
     if settings.json {
         super::print_json(&json!({
             "chain": chain, "address": owned.address, "account_id": owned.account_id,
@@ -81,6 +88,29 @@ pub async fn assign(
         );
     }
     Ok(Exit::Success)
+}
+
+/// The configured node's tip, if a node is configured for `chain`.
+async fn node_tip(settings: &Settings, chain: Chain) -> Result<Option<u64>> {
+    use custodian_ingest::ChainReader;
+    let tip = match chain {
+        Chain::Eth => match &settings.eth_rpc {
+            Some(url) => {
+                Some(custodian_ingest::eth::EthReader::new(url).map_err(|e| invalid(e.to_string()))?.tip_height().await)
+            }
+            None => None,
+        },
+        Chain::Btc => match &settings.btc_rpc {
+            Some(url) => Some(
+                custodian_ingest::btc::BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network)
+                    .map_err(|e| invalid(e.to_string()))?
+                    .tip_height()
+                    .await,
+            ),
+            None => None,
+        },
+    };
+    tip.transpose().with_context(|| format!("reading the {chain} node's tip"))
 }
 
 pub async fn add_token(settings: &Settings, chain: Chain, contract: &str, symbol: &str, decimals: u8) -> Result<Exit> {

@@ -39,6 +39,29 @@ pub enum OwnershipError {
     /// No account has this id or reference.
     #[error("unknown account {0:?}")]
     UnknownAccount(String),
+    /// Reassigning from this height would hand deposits already observed to the new owner.
+    #[error(
+        "{chain} {address}: a deposit to it was observed at height {height}, which would move from account {owner} to \
+         the new owner; reassign from a height above every observed deposit (or leave --from-height out)"
+    )]
+    WouldMoveDeposits {
+        /// Chain.
+        chain: Chain,
+        /// Address.
+        address: String,
+        /// Current owner.
+        owner: i64,
+        /// The lowest height of a deposit that would move.
+        height: i64,
+    },
+    /// A reassignment without a height needs the node's tip.
+    #[error("{chain} {address} is assigned already: reassigning takes effect at the node's tip + 1, so configure the {chain} node, or give --from-height")]
+    NeedsHeight {
+        /// Chain.
+        chain: Chain,
+        /// Address.
+        address: String,
+    },
     /// The requested start would overlap an existing range.
     #[error("{address} on {chain} is owned by account {owner} from height {from}; a new owner must start above it")]
     Overlap {
@@ -97,18 +120,33 @@ async fn tip<C: GenericClient>(client: &C, chain: Chain) -> Result<Option<i64>, 
     Ok(row.get(0))
 }
 
-/// Assigns `address` (stored form) to `account_id` from `from_height`, closing the current
-/// owner's open range. Default start: 0 for a never-assigned address, our tip + 1 otherwise.
-/// Assigning an address to its current owner again changes nothing.
-///
-/// # Cancel safety
-/// One transaction; cancelled, it writes nothing.
+/// [`assign_address_at`] without the node's tip: a reassignment then needs an explicit height.
 pub async fn assign_address(
     client: &mut deadpool_postgres::Object,
     chain: Chain,
     address: &str,
     account_id: i64,
     from_height: Option<u64>,
+) -> Result<(Ownership, bool), OwnershipError> {
+    assign_address_at(client, chain, address, account_id, from_height, None).await
+}
+
+/// Assigns `address` (stored form) to `account_id` from `from_height`, closing the current
+/// owner's open range. Default start: 0 for a never-assigned address; for a reassignment the
+/// node's tip + 1 (`node_tip`, read by the caller before this transaction), never below our own
+/// tip + 1, so payments in blocks the scanner has not read yet stay with the old owner. An explicit
+/// height at or below our tip is refused if it would move an observed deposit to another owner.
+/// Assigning an address to its current owner again changes nothing.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub async fn assign_address_at(
+    client: &mut deadpool_postgres::Object,
+    chain: Chain,
+    address: &str,
+    account_id: i64,
+    from_height: Option<u64>,
+    node_tip: Option<u64>,
 ) -> Result<(Ownership, bool), OwnershipError> {
     let tx = client.transaction().await?;
     // Serialise assignments of one address; the exclusion constraint is the real guard.
@@ -136,9 +174,26 @@ pub async fn assign_address(
             ));
         }
         (None, requested) => requested.unwrap_or(0),
-        (Some(_), Some(requested)) => requested,
+        (Some((owner, _, _)), Some(requested)) => {
+            let moved: Option<i64> = tx
+                .query_one(
+                    "select min(b.height) from deposit_event d join chain_block b using (chain, block_hash)
+                      where d.chain = $1 and d.address = $2 and b.height >= $3",
+                    &[&chain.as_str(), &address, &requested],
+                )
+                .await?
+                .get(0);
+            if let Some(height) = moved {
+                return Err(OwnershipError::WouldMoveDeposits { chain, address: address.to_owned(), owner, height });
+            }
+            requested
+        }
         (Some((_, from, to)), None) => {
-            let next = tip(&tx, chain).await?.map_or(0, |t| t + 1);
+            let Some(node_tip) = node_tip else {
+                return Err(OwnershipError::NeedsHeight { chain, address: address.to_owned() });
+            };
+            let node_next = i64::try_from(node_tip).expect("BUG: height beyond i64") + 1;
+            let next = tip(&tx, chain).await?.map_or(0, |t| t + 1).max(node_next);
             next.max(from + 1).max(to.unwrap_or(0))
         }
     };

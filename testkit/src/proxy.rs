@@ -73,6 +73,11 @@ impl RpcProxy {
         self.state.null_receipts.store(n, Ordering::SeqCst);
     }
 
+    /// Requests forwarded so far.
+    pub fn requests(&self) -> usize {
+        self.state.requests.load(Ordering::SeqCst)
+    }
+
     /// `eth_getBlockReceipts` calls still to be answered `null`.
     pub fn null_receipts_left(&self) -> u32 {
         self.state.null_receipts.load(Ordering::SeqCst)

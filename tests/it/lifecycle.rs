@@ -423,3 +423,40 @@ async fn two_scanners_share_one_lease_and_the_standby_takes_over_when_the_holder
     assert_eq!(transfers, 2, "each deposit credited once");
     verified(&db);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reassignment_takes_effect_above_the_nodes_tip_and_never_moves_an_observed_deposit() {
+    let db = TestDb::new().await;
+    let sim = BitcoinSim::start().await;
+    let address = sim.address(AddrKind::P2wpkh, 28);
+    let alice = new_account(&db, "alice", &address, 0).await;
+    let bob = new_account(&db, "bob", &sim.address(AddrKind::P2wpkh, 29), 0).await;
+    sim.mine_empty(2);
+    sim.mine(&[sim.pay(&[(address.clone(), Sats::from_sat(1_000_000))])]); // height 3, scanned
+    scan(&db, &sim).await;
+    // Paid again while our scanner lags: height 5, not read yet.
+    sim.mine_empty(1);
+    sim.mine(&[sim.pay(&[(address.clone(), Sats::from_sat(2_000_000))])]);
+    sim.mine_empty(2); // node tip 7, our tip 3
+    let address = address.to_string();
+    let assign = |from: Option<&'static str>| {
+        let mut args = vec!["address", "assign", "--account", "bob", "--chain", "btc", "--address", &address, "--json"];
+        if let Some(from) = from {
+            args.extend(["--from-height", from]);
+        }
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let args = assign(Some("2"));
+    let refused = run(btc_env(&db, &sim, None), &args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("observed at height 3"), "{}", refused.stderr);
+    let args = assign(None);
+    let moved = run(btc_env(&db, &sim, None), &args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(moved.code, 0, "{}", moved.stderr);
+    assert_eq!(moved.json()["valid_from_height"], 8, "the node's tip + 1, not our tip + 1");
+    sim.mine(&[sim.pay(&[(sim.address(AddrKind::P2wpkh, 28), Sats::from_sat(4_000_000))])]); // height 8: bob's
+    scan(&db, &sim).await;
+    assert_eq!(available(&db, alice).await, "3000000", "the payment made before the handover stays alice's");
+    assert_eq!(available(&db, bob).await, "4000000");
+    verified(&db);
+}

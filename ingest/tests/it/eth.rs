@@ -248,3 +248,78 @@ async fn a_node_reporting_a_lower_tip_does_not_move_our_tip() {
     assert_eq!(canonical_heights(&db, Chain::Eth).await, heights);
     assert_eq!(snapshot(&db, "chain_block").await, blocks, "nothing orphaned");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inconsistent_provider_is_backed_off_from_and_the_chain_it_then_serves_is_followed() {
+    use custodian_ingest::{ScanConfig, ScannerState};
+    use custodian_testkit::proxy::RpcProxy;
+    let first = Anvil::spawn_shared_genesis(&[]).await.unwrap();
+    let second = Anvil::spawn_shared_genesis(&[]).await.unwrap();
+    let db = TestDb::new().await;
+    watch(&db, Chain::Eth, "alice", WATCHED).await;
+    // Two chains from one genesis that differ from block 1 on.
+    send(&first, json!({"from": DEV, "to": WATCHED, "value": "0x5"})).await;
+    mine(&first, 9).await;
+    send(&second, json!({"from": DEV, "to": WATCHED, "value": "0x6"})).await;
+    mine(&second, 13).await;
+    let proxy = RpcProxy::start(&[&first.url, &second.url]).await.unwrap();
+    let config = ScanConfig {
+        initial_backoff: std::time::Duration::from_millis(50),
+        max_backoff: std::time::Duration::from_millis(400),
+        poll_interval: std::time::Duration::from_millis(50),
+        ..small_batches()
+    };
+    let scanner = std::sync::Arc::new(custodian_ingest::Scanner::new(
+        EthReader::new(&proxy.url).unwrap(),
+        db.pool.clone(),
+        config,
+    ));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = {
+        let scanner = scanner.clone();
+        tokio::spawn(async move { scanner.run(&custodian_ingest::NoProgress, stopped).await })
+    };
+    async fn tip_hash(node: &Anvil) -> String {
+        let block = node.rpc("eth_getBlockByNumber", json!(["latest", false])).await.unwrap();
+        block["hash"].as_str().unwrap().to_owned()
+    }
+    let ours = || async {
+        let client = db.pool.get().await.unwrap();
+        custodian_ingest::sql::our_tip(&client, Chain::Eth).await.unwrap().map(|(_, hash)| hash)
+    };
+    let expected = tip_hash(&first).await;
+    custodian_testkit::eventually("the first chain scanned", std::time::Duration::from_secs(30), || async {
+        (ours().await.as_deref() == Some(expected.as_str())).then_some(())
+    })
+    .await;
+
+    // The provider now answers from both nodes in turn: the scanner backs off instead of spinning.
+    proxy.alternate();
+    let before = proxy.requests();
+    let started = std::time::Instant::now();
+    let mut retrying = Vec::new();
+    while started.elapsed() < std::time::Duration::from_secs(3) {
+        if let ScannerState::Retrying { reason, .. } = scanner.state().lock().unwrap().clone() {
+            retrying.push(reason);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let per_second = (proxy.requests() - before) as f64 / started.elapsed().as_secs_f64();
+    assert!(!retrying.is_empty(), "the state says the scanner is retrying");
+    assert!(per_second < 150.0, "backed off, not spinning: {per_second:.0} requests/s");
+
+    // Served consistently again, by the other node: the scanner follows it.
+    proxy.serve_only(1);
+    let expected = tip_hash(&second).await;
+    custodian_testkit::eventually("the second chain followed", std::time::Duration::from_secs(30), || async {
+        (ours().await.as_deref() == Some(expected.as_str())).then_some(())
+    })
+    .await;
+    custodian_testkit::eventually("scanning again", std::time::Duration::from_secs(10), || async {
+        matches!(*scanner.state().lock().unwrap(), ScannerState::Scanning).then_some(())
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap().expect("the scanner never stopped for good");
+    assert_eq!(canonical_heights(&db, Chain::Eth).await, (0..=14).collect::<Vec<i64>>());
+}
