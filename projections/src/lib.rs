@@ -10,3 +10,4 @@ pub mod policy;
 pub mod posting;
 pub mod replay;
 pub mod reversals;
+pub mod seals;

@@ -1,12 +1,15 @@
-//! `replay --verify`: rebuild every projection from the appended facts into scratch tables,
-//! compare it with the live one, and check the global invariants.
+//! `replay --verify`: rebuild every projection from the appended facts, compare it with the live
+//! one, and check the global invariants.
 //!
-//! Rebuilt: the withdrawal projection (folded from its event streams), the posting set (what the
-//! deposit and reversal facts say the ledger must contain), and balances (a fold of every posting,
-//! compared with the `account_balance` view). Checked: every transfer has postings and balances per
-//! asset; every posting traces to its source fact; `custody` equals what the facts put there.
-//! Everything runs in one repeatable-read transaction that is rolled back, so the scratch tables
-//! never outlive the run and the database is left exactly as found.
+//! Rebuilt: the withdrawal projection (folded from its event streams, every column including what
+//! it pays), what the ledger must hold under each deposit key (from observations, ownership, tiers
+//! and the recorded rounds and decisions — never from the transfers' own references), the
+//! withdrawal movements, and every column of `account_balance` (a fold of every posting, the
+//! rebuilt holds, the pending observations). Checked: every transfer has postings and balances per
+//! asset; every posting traces to its source fact; `custody` equals confirmed deposits minus
+//! settled withdrawals and fees, per asset. Everything runs in one read-only repeatable-read
+//! transaction: no scratch table, no transaction id, so a long replay never holds back the
+//! history stream. The binary adds the re-parse of retained raw blocks and the fact seals.
 
 use std::collections::BTreeMap;
 
@@ -40,37 +43,27 @@ impl VerifyReport {
     }
 }
 
-/// The scratch tables are temporary (`pg_temp`): they never outlive the rolled-back transaction,
-/// are never written to the WAL (two million rows for a million deposits would be pure cost), and
-/// need no privilege beyond the one every role has, so replay runs as the service's login.
-const SETUP: &str = "
-create table pg_temp.replay_withdrawal (id bigint primary key, state text not null, last_seq integer not null, lane text,
-    from_address text, nonce bigint, tx_hash text, mined_block_hash text);
-create table pg_temp.replay_balance (ledger_account text, asset text, net numeric(79,0), primary key (ledger_account, asset));
--- Deposits, per key: what the ledger must hold under each key, derived from observations,
--- ownership, tiers and the recorded rounds and decisions, never from the transfers' own
--- references. An open round holds its amount; otherwise the canonical confirmed amount. Keys in
--- motion are excused, with the booked amount taken as expected: a canonical observation not (or no
--- longer) confirmed holding at most its amount, money lost within its grace period, and keys whose
--- latest round was rejected before losses were booked.
-create table pg_temp.replay_observed as
-select s.deposit_key, s.asset, s.amount, s.account_id, s.orphaned, s.confirmed, s.height, s.required_confirmations
-  from deposit_status s;
-analyze pg_temp.replay_observed;
-create table pg_temp.replay_booked as
-select t.deposit_key, p.asset,
-       sum(case when p.ledger_account = 'custody' then case p.direction when 'debit' then p.amount else -p.amount end
-           else 0 end) as custody
-  from ledger_transfer t join ledger_posting p on p.transfer_id = t.id
- where t.deposit_key is not null
- group by t.deposit_key, p.asset;
-create table pg_temp.replay_key as
-with keys as (
-    select deposit_key, asset from pg_temp.replay_observed
-    union select deposit_key, asset from pg_temp.replay_booked
+/// Deposits, per key: what the ledger must hold under each key, derived from observations,
+/// ownership, tiers and the recorded rounds and decisions, never from the transfers' own
+/// references. An open round holds its amount; otherwise the canonical confirmed amount. Keys in
+/// motion are excused, with the booked amount taken as expected: a canonical observation not (or
+/// no longer) confirmed holding at most its amount, money lost within its grace period, and keys
+/// whose latest round was rejected before losses were booked.
+const DEPOSIT_KEYS: &str = "
+with observed as materialized (
+    select s.deposit_key, s.asset, s.amount, s.account_id, s.orphaned, s.confirmed, s.height from deposit_status s
+), booked as materialized (
+    select t.deposit_key, p.asset,
+           sum(case when p.ledger_account = 'custody' then case p.direction when 'debit' then p.amount else -p.amount end
+               else 0 end) as custody
+      from ledger_transfer t join ledger_posting p on p.transfer_id = t.id
+     where t.deposit_key is not null
+     group by t.deposit_key, p.asset
+), keys as (
+    select deposit_key, asset from observed union select deposit_key, asset from booked
 ), canonical as (
     select distinct on (deposit_key) deposit_key, amount, confirmed and account_id is not null as credit_due
-      from pg_temp.replay_observed where not orphaned
+      from observed where not orphaned
      order by deposit_key, confirmed desc, height
 ), lost as (
     select deposit_key, not grace_passed as in_grace from deposit_lost
@@ -87,14 +80,23 @@ select k.deposit_key, k.asset, coalesce(b.custody, 0) as booked,
             when r.decision = 'rejected' and r.compensating_transfer_id is null then coalesce(b.custody, 0)
             else 0 end as expected
   from keys k
-  left join pg_temp.replay_booked b using (deposit_key, asset)
+  left join booked b using (deposit_key, asset)
   left join canonical c using (deposit_key)
   left join lost l using (deposit_key)
-  left join rounds r using (deposit_key);
--- Every credit transfer names an observation of its own key and credits only that observation's
--- owner or treasury, debiting custody by what it credits; every reversal or loss is the booking
--- of a recorded decision, for the round's amount, from the round's account (or treasury).
-create table pg_temp.replay_deposit_shape as
+  left join rounds r using (deposit_key)";
+
+/// Deposit keys whose booked custody differs from what observations, tiers and decisions say.
+fn key_diff() -> String {
+    format!(
+        "with k as ({DEPOSIT_KEYS}) select deposit_key, asset, booked::text, expected::text from k
+          where booked <> expected order by deposit_key"
+    )
+}
+
+/// Every credit transfer names an observation of its own key and credits only that observation's
+/// owner or treasury; every reversal or loss is the booking of a recorded decision, for the round's
+/// amount, from the round's account (or treasury); every approval has its transfer.
+const DEPOSIT_SHAPE: &str = "
 select t.id, t.idempotency_key, 'credit names no observation of its key' as problem
   from ledger_transfer t
  where t.kind = 'deposit'
@@ -107,7 +109,7 @@ union all
 select t.id, t.idempotency_key, 'credit to ' || p.ledger_account || ', who owned no observation of the key'
   from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.direction = 'credit'
  where t.kind = 'deposit' and p.ledger_account <> 'treasury'
-   and not exists (select 1 from pg_temp.replay_observed o
+   and not exists (select 1 from deposit_status o
                     where o.deposit_key = t.deposit_key and 'user:' || o.account_id = p.ledger_account)
 union all
 select t.id, t.idempotency_key, 'a ' || t.kind || ' transfer without the decision it books'
@@ -126,12 +128,12 @@ union all
 select d.compensating_transfer_id, r.deposit_key, 'an approval without its reversal transfer'
   from reversal_decision d join reversal_proposal r on r.id = d.proposal_id
  where d.decision = 'approved'
-   and not exists (select 1 from ledger_transfer t where t.id = d.compensating_transfer_id and t.kind = 'reversal');
-create table pg_temp.replay_expected_posting (transfer_id bigint, idempotency_key text, ledger_account text, asset text,
-    direction text, amount numeric(78,0));
--- What each withdrawal's events say the ledger must hold: the hold at request; its release when
--- rejected, cancelled or failed on chain; the settlement when confirmed; the real fee when paid.
-create table pg_temp.replay_expected_movement as
+   and not exists (select 1 from ledger_transfer t where t.id = d.compensating_transfer_id and t.kind = 'reversal')
+order by 1";
+
+/// What each withdrawal's events say the ledger must hold: the hold at request; its release when
+/// rejected, cancelled or failed on chain; the settlement when confirmed; the real fee when paid.
+const EXPECTED_MOVEMENTS: &str = "
 with req as (
     select withdrawal_id as id, (payload ->> 'account_id')::bigint as account_id, payload ->> 'asset' as asset,
            (payload ->> 'amount')::numeric(78,0) as amount
@@ -139,29 +141,29 @@ with req as (
 ), ends as (
     select withdrawal_id as id, event_type, coalesce((payload ->> 'fee')::numeric(78,0), 0) as fee
       from withdrawal_event where event_type in ('rejected', 'cancelled', 'failed_onchain', 'confirmed')
+), movement as (
+    select 'withdrawal:' || r.id || ':hold' as key, 'user:' || r.account_id as debit, 'withdrawal_holds' as credit,
+           r.asset, r.amount
+      from req r
+    union all
+    select 'withdrawal:' || r.id || ':release', 'withdrawal_holds', 'user:' || r.account_id, r.asset, r.amount
+      from req r join ends e on e.id = r.id and e.event_type in ('rejected', 'cancelled', 'failed_onchain')
+    union all
+    select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount
+      from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
+    union all
+    select 'withdrawal:' || e.id || ':fee', 'network_fees', 'custody', 'ETH', e.fee from ends e where e.fee > 0
 )
-select 'withdrawal:' || r.id || ':hold' as key, 'user:' || r.account_id as debit, 'withdrawal_holds' as credit, r.asset, r.amount
-  from req r
-union all
-select 'withdrawal:' || r.id || ':release', 'withdrawal_holds', 'user:' || r.account_id, r.asset, r.amount
-  from req r join ends e on e.id = r.id and e.event_type in ('rejected', 'cancelled', 'failed_onchain')
-union all
-select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount
-  from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
-union all
-select 'withdrawal:' || e.id || ':fee', 'network_fees', 'custody', 'ETH', e.fee from ends e where e.fee > 0;
-insert into pg_temp.replay_expected_posting
-select t.id, m.key, side.ledger_account, m.asset, side.direction, m.amount
-  from pg_temp.replay_expected_movement m
+select t.id as transfer_id, m.key as idempotency_key, side.ledger_account, m.asset, side.direction, m.amount
+  from movement m
   left join ledger_transfer t on t.idempotency_key = m.key
- cross join lateral (values (m.debit, 'debit'), (m.credit, 'credit')) as side (ledger_account, direction);";
+ cross join lateral (values (m.debit, 'debit'), (m.credit, 'credit')) as side (ledger_account, direction)";
 
-/// Live postings of kinds whose source facts this module can rebuild, against the rebuilt set,
-/// as a hash full join (a duplicated posting unbalances its transfer, which the balance check
-/// reports). The idempotency keys are not compared: matching transfer ids mean the same
-/// `ledger_transfer` row, and an expected posting whose transfer is missing has no id to match.
-const POSTING_DIFF: &str = "
-with actual as (
+/// Live postings of withdrawal kinds against what the events require, as a hash full join (a
+/// duplicated posting unbalances its transfer, which the balance check reports).
+fn posting_diff() -> String {
+    format!(
+        "with expected as ({EXPECTED_MOVEMENTS}), actual as (
     select t.id as transfer_id, t.idempotency_key, p.ledger_account, p.asset, p.direction, p.amount
       from ledger_transfer t join ledger_posting p on p.transfer_id = t.id
      where t.kind in ('withdrawal_hold', 'withdrawal_settle', 'withdrawal_release', 'network_fee')
@@ -172,19 +174,81 @@ select case when e.idempotency_key is null then 'live posting not derivable from
        coalesce(a.ledger_account, e.ledger_account) as ledger_account, coalesce(a.asset, e.asset) as asset,
        coalesce(a.direction, e.direction) as direction, coalesce(a.amount, e.amount) as amount
   from actual a
-  full join pg_temp.replay_expected_posting e
+  full join expected e
     on e.transfer_id = a.transfer_id and e.ledger_account = a.ledger_account
    and e.asset = a.asset and e.direction = a.direction and e.amount = a.amount
  where a.idempotency_key is null or e.idempotency_key is null
- order by 3, 4, 6";
+ order by 3, 4, 6"
+    )
+}
 
-/// Deposit keys whose booked custody differs from what observations, tiers and decisions say.
-const KEY_DIFF: &str = "
-select deposit_key, asset, booked::text, expected::text from pg_temp.replay_key where booked <> expected
- order by deposit_key";
+/// custody as booked against custody as the facts put it there, per asset: the deposit keys'
+/// expected amounts plus the withdrawal movements.
+fn custody() -> String {
+    format!(
+        "with keys as ({DEPOSIT_KEYS}), movements as ({EXPECTED_MOVEMENTS}), booked as (
+    select asset, sum(case direction when 'debit' then amount else -amount end) as net
+      from ledger_posting where ledger_account = 'custody' group by asset
+), from_facts as (
+    select asset, sum(net) as net from (
+        select asset, sum(case direction when 'debit' then amount else -amount end) as net
+          from movements where ledger_account = 'custody' group by asset
+        union all
+        select asset, sum(expected) from keys group by asset) f
+     group by asset
+)
+select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
+  from booked b full join from_facts f using (asset)
+ where coalesce(b.net, 0) <> coalesce(f.net, 0)"
+    )
+}
 
-/// Deposit transfers whose shape the facts do not explain.
-const DEPOSIT_SHAPE: &str = "select id, idempotency_key, problem from pg_temp.replay_deposit_shape order by id";
+/// The rebuilt withdrawals ($1..$12, from the Rust fold) against every column of the projection.
+const WITHDRAWAL_DIFF: &str = "
+with rebuilt as (
+    select * from unnest($1::bigint[], $2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::text[],
+                         $8::text[], $9::bigint[], $10::text[], $11::text[], $12::text[])
+           as r(id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash, account_id, asset,
+                destination, amount)
+), live as (
+    select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash, account_id, asset, destination,
+           amount::text
+      from withdrawal
+)
+select 'live withdrawal row not rebuilt from its events', w.* from (select * from live except select * from rebuilt) w
+union all
+select 'withdrawal rebuilt from events missing or different in the live projection', r.*
+  from (select * from rebuilt except select * from live) r
+order by 2";
+
+/// Every column of the live `account_balance` view against the rebuild: available from the fold
+/// of postings ($1..$3), held from the rebuilt withdrawals ($4..$6), confirmed their sum, pending
+/// from the canonical observations whose key holds nothing.
+const BALANCE_DIFF: &str = "
+with available as (
+    select substr(a, 6)::bigint as account_id, s as asset, n::numeric as available
+      from unnest($1::text[], $2::text[], $3::text[]) as u(a, s, n) where a like 'user:%'
+), held as (
+    select account_id, asset, sum(amount::numeric) as held
+      from unnest($4::bigint[], $5::text[], $6::text[]) as h(account_id, asset, amount) group by 1, 2
+), pending as (
+    select u.account_id, u.asset, sum(u.amount) as pending
+      from (select distinct on (s.deposit_key) s.account_id, s.asset, s.amount from deposit_status s
+             where s.account_id is not null and not s.orphaned and s.custody_posted = 0
+             order by s.deposit_key, s.height desc) u
+     group by 1, 2
+), rebuilt as (
+    select account_id, asset, (coalesce(a.available, 0) + coalesce(h.held, 0))::text as confirmed,
+           coalesce(p.pending, 0)::text as pending, coalesce(h.held, 0)::text as held,
+           coalesce(a.available, 0)::text as available
+      from available a full join held h using (account_id, asset) full join pending p using (account_id, asset)
+), live as (
+    select account_id, asset, confirmed::text, pending::text, held::text, available::text from account_balance
+)
+select 'live account_balance row differs from the rebuild', l.* from (select * from live except select * from rebuilt) l
+union all
+select 'rebuilt balance missing or different in account_balance', r.* from (select * from rebuilt except select * from live) r
+order by 2, 3";
 
 /// Adjustments have no source fact the system records; any is reported.
 const UNTRACEABLE: &str =
@@ -195,47 +259,6 @@ const WITHOUT_POSTINGS: &str = "
 select t.id, t.idempotency_key from ledger_transfer t
  where not exists (select 1 from ledger_posting p where p.transfer_id = t.id)
  order by t.id";
-
-const WITHDRAWAL_DIFF: &str = "
-select 'live withdrawal row not rebuilt from its events', w.* from
-       (select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash from withdrawal
-        except select * from pg_temp.replay_withdrawal) w
-union all
-select 'withdrawal rebuilt from events missing or different in the live projection', r.* from
-       (select * from pg_temp.replay_withdrawal
-        except select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash from withdrawal) r
-order by 2";
-
-/// The live balances are what the `account_balance` view reports as available: the net of each
-/// user account's postings. The same aggregate is computed here directly (the view would also
-/// compute pending deposits, which replay does not need) and compared with the Rust fold.
-const BALANCE_DIFF: &str = "
-with live as (
-    select ledger_account, asset, sum(case direction when 'credit' then amount else -amount end) as net
-      from ledger_posting where ledger_account like 'user:%' group by ledger_account, asset
-    having sum(case direction when 'credit' then amount else -amount end) <> 0
-), rebuilt as (select ledger_account, asset, net from pg_temp.replay_balance where ledger_account like 'user:%' and net <> 0)
-select 'live balance differs from the fold of postings', l.* from (select * from live except select * from rebuilt) l
-union all
-select 'balance from the fold of postings missing in the live view', r.* from (select * from rebuilt except select * from live) r
-order by 2, 3";
-
-/// custody as booked against custody as the facts put it there, per asset.
-const CUSTODY: &str = "
-with booked as (
-    select asset, sum(case direction when 'debit' then amount else -amount end) as net
-      from ledger_posting where ledger_account = 'custody' group by asset
-), from_facts as (
-    select asset, sum(net) as net from (
-        select asset, sum(case direction when 'debit' then amount else -amount end) as net
-          from pg_temp.replay_expected_posting where ledger_account = 'custody' group by asset
-        union all
-        select asset, sum(expected) from pg_temp.replay_key group by asset) f
-     group by asset
-)
-select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
-  from booked b full join from_facts f using (asset)
- where coalesce(b.net, 0) <> coalesce(f.net, 0)";
 
 /// Debits and credits per asset of one transfer at a time, from postings ordered by transfer.
 #[derive(Default)]
@@ -307,9 +330,15 @@ async fn count(tx: &deadpool_postgres::Transaction<'_>, table: &str) -> Result<u
 /// # Cancel safety
 /// One transaction, always rolled back; cancelling it leaves nothing behind.
 pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyReport, tokio_postgres::Error> {
-    let tx = client.build_transaction().isolation_level(tokio_postgres::IsolationLevel::RepeatableRead).start().await?;
+    // Read only: replay never takes a transaction id, so it never holds back the history stream
+    // (whose readers wait for every running writer).
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
     let mut report = VerifyReport::default();
-    tx.batch_execute(SETUP).await?;
 
     // Withdrawals: fold every stream with the domain's fold.
     let mut streams: BTreeMap<i64, Vec<WithdrawalEvent>> = BTreeMap::new();
@@ -354,27 +383,32 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let seqs: Vec<i32> = rebuilt.iter().map(|w| w.last_seq).collect();
     let nonces: Vec<Option<i64>> =
         rebuilt.iter().map(|w| w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"))).collect();
-    tx.execute(
-        "insert into pg_temp.replay_withdrawal
-         select * from unnest($1::bigint[], $2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::text[], $8::text[])",
-        &[
-            &ids,
-            &column(|w| Some(w.state.as_str().to_owned())),
-            &seqs,
-            &column(|w| Some(w.lane.clone())),
-            &column(|w| w.from_address.clone()),
-            &nonces,
-            &column(|w| w.tx_hash.clone()),
-            &column(|w| w.mined_block_hash.clone()),
-        ],
-    )
-    .await?;
-    for row in tx.query(WITHDRAWAL_DIFF, &[]).await? {
+    let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id).collect();
+    let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+        &ids,
+        &column(|w| Some(w.state.as_str().to_owned())),
+        &seqs,
+        &column(|w| Some(w.lane.clone())),
+        &column(|w| w.from_address.clone()),
+        &nonces,
+        &column(|w| w.tx_hash.clone()),
+        &column(|w| w.mined_block_hash.clone()),
+        &accounts,
+        &column(|w| Some(w.asset.clone())),
+        &column(|w| Some(w.destination.clone())),
+        &column(|w| Some(w.amount.to_string())),
+    ];
+    for row in tx.query(WITHDRAWAL_DIFF, &rebuilt_params).await? {
         report.differences.push(Difference {
             check: "withdrawal projection",
             detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)),
         });
     }
+    // What the rebuilt withdrawals hold: those still in flight.
+    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.state.holds_funds()).collect();
+    let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id).collect();
+    let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset.clone()).collect();
+    let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount.to_string()).collect();
 
     // Balances and the balance of every transfer: fold every posting, a transfer at a time.
     let mut balances: BTreeMap<(String, String), (U256, U256)> = BTreeMap::new();
@@ -408,24 +442,20 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         assets.push(asset);
         nets.push(net);
     }
-    tx.execute(
-        "insert into pg_temp.replay_balance select a, s, n::numeric from unnest($1::text[], $2::text[], $3::text[]) as u(a, s, n)",
-        &[&accounts, &assets, &nets],
-    )
-    .await?;
-    for row in tx.query(BALANCE_DIFF, &[]).await? {
+    for row in tx.query(BALANCE_DIFF, &[&accounts, &assets, &nets, &held_accounts, &held_assets, &held_amounts]).await?
+    {
         report
             .differences
             .push(Difference { check: "balances", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
     }
 
     // The posting set and the invariants.
-    for row in tx.query(POSTING_DIFF, &[]).await? {
+    for row in tx.query(&posting_diff(), &[]).await? {
         report
             .differences
             .push(Difference { check: "posting set", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
     }
-    for row in tx.query(KEY_DIFF, &[]).await? {
+    for row in tx.query(&key_diff(), &[]).await? {
         report.differences.push(Difference {
             check: "deposit keys",
             detail: format!(
@@ -477,7 +507,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
             .differences
             .push(Difference { check: "transfers balance", detail: format!("transfer {id} ({key}): {problem}") });
     }
-    for row in tx.query(CUSTODY, &[]).await? {
+    for row in tx.query(&custody(), &[]).await? {
         report.differences.push(Difference {
             check: "custody",
             detail: format!(
@@ -487,6 +517,11 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
                 cell(&row, 2)
             ),
         });
+    }
+    for (position, problem) in crate::seals::broken(&tx).await? {
+        report
+            .differences
+            .push(Difference { check: "fact seals", detail: format!("history position {position}: {problem}") });
     }
     for table in ["chain_block", "deposit_event", "ledger_transfer", "reversal_decision"] {
         report.facts_read += count(&tx, table).await?;

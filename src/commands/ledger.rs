@@ -52,7 +52,9 @@ pub async fn policy_show(settings: &Settings) -> Result<Exit> {
 
 pub async fn post(settings: &Settings) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let report = posting::post_all(&pool.get().await?).await.context("posting confirmed deposits")?;
+    let client = pool.get().await?;
+    let report = posting::post_all(&client).await.context("posting confirmed deposits")?;
+    custodian_projections::seals::seal(&client).await.context("sealing the history")?;
     if settings.json {
         super::print_json(&report)?;
     } else {

@@ -78,12 +78,18 @@ impl AfterStep for PostAfterStep {
         Box::pin(async move {
             let outcome = match self.0.get().await {
                 Ok(client) => {
-                    custodian_projections::posting::post_chain(&client, chain).await.map_err(|e| e.to_string())
+                    match custodian_projections::posting::post_chain(&client, chain).await {
+                        // What the step and the pass appended is sealed into the history's hash chain.
+                        Ok(_) => {
+                            custodian_projections::seals::seal(&client).await.map(|_| ()).map_err(|e| e.to_string())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
                 }
                 Err(e) => Err(e.to_string()),
             };
             if let Err(e) = outcome {
-                tracing::warn!(%chain, "posting confirmed deposits failed; retried after the next step: {e}");
+                tracing::warn!(%chain, "posting confirmed deposits or sealing failed; retried after the next step: {e}");
             }
         })
     }

@@ -253,6 +253,10 @@ async fn gauges(pool: Pool, mut stopped: watch::Receiver<bool>) -> Result<()> {
             {
                 metrics::gauge!("custodian_paused_lanes").set(row.get::<_, i64>(0) as f64);
             }
+            // The history's hash chain follows every writer (withdrawals, operator actions too).
+            if let Err(e) = custodian_projections::seals::seal(&client).await {
+                tracing::warn!("sealing the history failed; retried next round: {e}");
+            }
         }
         tokio::select! {
             _ = stopped.changed() => {}

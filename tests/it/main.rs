@@ -2,6 +2,7 @@
 
 mod cli;
 mod deposits;
+mod forgeries;
 mod harness;
 mod ledger;
 mod lifecycle;

@@ -1,0 +1,197 @@
+//! Forgeries `replay --verify` must name (exit 3), each made by the schema owner with the
+//! triggers off and everything derived from the forged fact changed to match: only the retained
+//! raw blocks and the fact seals can tell.
+
+use bitcoin::Amount as Sats;
+use custodian_domain::withdrawal::WithdrawalState;
+use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
+use custodian_testkit::TestDb;
+use serde_json::Value;
+
+use crate::harness::{custodian, custodian_env};
+use crate::ledger::new_account;
+
+/// `replay --verify --json` must fail (exit 3) and name `check` with a detail containing `needle`.
+fn names(db: &TestDb, check: &str, needle: &str) -> Vec<Value> {
+    let replay = custodian(db.url.expose(), &["replay", "--verify", "--json"]);
+    assert_eq!(replay.code, 3, "the forgery passed: {}", replay.stdout);
+    let differences = replay.json()["differences"].as_array().unwrap().clone();
+    assert!(
+        differences.iter().any(|d| d["check"] == check && d["detail"].as_str().unwrap().contains(needle)),
+        "expected a {check:?} difference mentioning {needle:?}: {differences:#?}"
+    );
+    differences
+}
+
+/// Seals until every fact of the history is sealed (the horizon is cluster-wide: a transaction
+/// running in another test's database holds it back for a moment).
+async fn sealed_all(db: &TestDb) {
+    custodian_testkit::eventually("every fact sealed", std::time::Duration::from_secs(30), || async {
+        let client = db.pool.get().await.unwrap();
+        custodian_projections::seals::seal(&client).await.unwrap();
+        let unsealed: i64 = client
+            .query_one("select count(*) from audit_event a where not exists (select 1 from fact_seal s where s.position = a.position)", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (unsealed == 0).then_some(())
+    })
+    .await;
+}
+
+async fn owner_runs(db: &TestDb, sql: &str) {
+    let owner = db.owner_client().await;
+    owner.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// Two BTC deposits scanned and credited (and sealed) through the binary.
+async fn deposits() -> (TestDb, BitcoinSim, String) {
+    let db = TestDb::new().await;
+    let sim = BitcoinSim::start().await;
+    let address = sim.address(AddrKind::P2wpkh, 31);
+    new_account(&db, "alice", &address, 0).await;
+    sim.mine_empty(1);
+    let paid = sim.pay(&[(address.clone(), Sats::from_sat(1_000_000))]);
+    sim.mine(std::slice::from_ref(&paid));
+    sim.mine(&[sim.pay(&[(address.clone(), Sats::from_sat(2_000_000))])]);
+    sim.mine_empty(2);
+    let env = [
+        ("CUSTODIAN_DATABASE_URL".to_owned(), db.url.expose().to_owned()),
+        ("CUSTODIAN_BTC_RPC_URL".to_owned(), sim.url()),
+        ("CUSTODIAN_BTC_RPC_USER".to_owned(), sim.user().to_owned()),
+        ("CUSTODIAN_BTC_RPC_PASSWORD".to_owned(), sim.password().to_owned()),
+        ("CUSTODIAN_BTC_NETWORK".to_owned(), "regtest".to_owned()),
+    ];
+    let scanned = tokio::task::spawn_blocking(move || {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        custodian_env(&env, &["scan", "--chain", "btc", "--once"])
+    })
+    .await
+    .unwrap();
+    assert_eq!(scanned.code, 0, "{}", scanned.stderr);
+    sealed_all(&db).await;
+    let replay = custodian(db.url.expose(), &["replay", "--verify", "--json"]);
+    assert_eq!(replay.code, 0, "the honest ledger verifies: {}", replay.stdout);
+    (db, sim, paid.compute_txid().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_deposit_amount_with_its_posting_edited_to_match_is_named() {
+    let (db, _sim, txid) = deposits().await;
+    owner_runs(
+        &db,
+        &format!(
+            "alter table deposit_event disable trigger user; alter table ledger_posting disable trigger user;
+             update deposit_event set amount = 9000000 where tx_hash = '{txid}';
+             update ledger_posting set amount = 9000000 where transfer_id =
+                 (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');
+             alter table deposit_event enable trigger user; alter table ledger_posting enable trigger user;"
+        ),
+    )
+    .await;
+    names(&db, "raw blocks", "the block's payload says 1000000");
+    names(&db, "fact seals", "deposit_observed fact was changed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fabricated_deposit_with_its_transfer_is_named() {
+    let (db, _sim, _) = deposits().await;
+    let forged_tx = "ab".repeat(32);
+    // The service role itself may append facts: the forgery needs no trigger switched off.
+    let app = db.pool.get().await.unwrap();
+    app.batch_execute(&format!(
+        "insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+         select chain, block_hash, '{forged_tx}', 'output', 0, address, asset, 5000000
+           from deposit_event order by id limit 1;
+         begin;
+         insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+         select 'deposit:btc:{forged_tx}:output:0:credit:1', 'deposit', 'deposit:btc:{forged_tx}:output:0',
+                jsonb_build_object('chain', 'btc', 'tx_hash', '{forged_tx}', 'kind', 'output', 'output_index', 0,
+                                   'block_hash', block_hash)
+           from deposit_event where tx_hash = '{forged_tx}';
+         insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+         select currval('ledger_transfer_id_seq'), a, 'BTC', d, 5000000
+           from (values ('custody', 'debit'), ('user:1', 'credit')) v(a, d);
+         commit;"
+    ))
+    .await
+    .unwrap();
+    names(&db, "raw blocks", &format!("observation {forged_tx}:output:0"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_row_feeding_account_balance_is_named() {
+    let (db, _sim, txid) = deposits().await;
+    owner_runs(
+        &db,
+        &format!(
+            "alter table ledger_posting disable trigger user;
+             update ledger_posting set amount = amount + 1
+              where direction = 'credit' and ledger_account like 'user:%' and transfer_id =
+                    (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');
+             alter table ledger_posting enable trigger user;"
+        ),
+    )
+    .await;
+    names(&db, "transfers balance", "debits differ from credits");
+    names(&db, "fact seals", "ledger_transfer fact was changed");
+}
+
+/// One ETH withdrawal requested, signed, mined and confirmed with its real fee, then sealed.
+async fn settled_withdrawal() -> (crate::withdrawals::Harness, i64) {
+    let h = crate::withdrawals::Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 1_000_000_000_000_000_000).await;
+    let w =
+        h.request(alice, "pay-1", "0x90f79bf6eb2c4f870365e785982e1f101e93b906", 1_000_000_000_000_000).await.unwrap();
+    let worker = h.worker(custodian_withdrawals::WorkerConfig { confirmations: 1, ..Default::default() });
+    let id = w.withdrawal.id;
+    h.work_until(&worker, true, "confirmation", |h| {
+        Box::pin(async move { h.state(id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    sealed_all(&h.db).await;
+    let replay = custodian(h.db.url.expose(), &["replay", "--verify", "--json"]);
+    assert_eq!(replay.code, 0, "the honest ledger verifies: {}", replay.stdout);
+    (h, id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_withdrawal_event_with_its_transfers_and_projection_made_to_match_is_named() {
+    let (h, id) = settled_withdrawal().await;
+    owner_runs(
+        &h.db,
+        &format!(
+            "alter table withdrawal_event disable trigger user; alter table ledger_transfer disable trigger user;
+             alter table ledger_posting disable trigger user;
+             delete from ledger_posting where transfer_id in (select id from ledger_transfer
+                 where idempotency_key in ('withdrawal:{id}:settle', 'withdrawal:{id}:fee'));
+             delete from ledger_transfer where idempotency_key in ('withdrawal:{id}:settle', 'withdrawal:{id}:fee');
+             delete from withdrawal_event where withdrawal_id = {id} and event_type = 'confirmed';
+             update withdrawal set state = 'mined', last_seq = last_seq - 1 where id = {id};
+             alter table withdrawal_event enable trigger user; alter table ledger_transfer enable trigger user;
+             alter table ledger_posting enable trigger user;"
+        ),
+    )
+    .await;
+    names(&h.db, "fact seals", "withdrawal_confirmed fact is gone");
+    names(&h.db, "fact seals", "ledger_transfer fact is gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fee_edited_consistently_in_its_event_and_postings_is_named() {
+    let (h, id) = settled_withdrawal().await;
+    owner_runs(
+        &h.db,
+        &format!(
+            "alter table withdrawal_event disable trigger user; alter table ledger_posting disable trigger user;
+             update withdrawal_event set payload = jsonb_set(payload, '{{fee}}',
+                    to_jsonb(((payload ->> 'fee')::numeric - 1000)::text))
+              where withdrawal_id = {id} and event_type = 'confirmed';
+             update ledger_posting set amount = amount - 1000
+              where transfer_id = (select id from ledger_transfer where idempotency_key = 'withdrawal:{id}:fee');
+             alter table withdrawal_event enable trigger user; alter table ledger_posting enable trigger user;"
+        ),
+    )
+    .await;
+    names(&h.db, "fact seals", "withdrawal_confirmed fact was changed");
+}
