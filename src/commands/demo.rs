@@ -97,13 +97,14 @@ mod story {
         let config = ScanConfig { batch_blocks: 50, ..ScanConfig::default() };
         let report = Scanner::new(reader, pool.clone(), config).run_to_tip(&NoProgress).await?;
         let posted = posting::post_all(&pool.get().await?).await?;
+        custodian_projections::seals::seal(&pool.get().await?).await?;
         let reorg = if report.reorgs > 0 {
             format!(", reorg handled: {} blocks orphan-marked", report.orphaned)
         } else {
             String::new()
         };
         say(format!(
-            "  scanned to our tip {} ({} new blocks, {} new deposit observations{reorg}); posted {} confirmed deposits",
+            "  scanned to our tip {} ({} new blocks, {} new deposit observations{reorg}); posted {} credits",
             report.our_tip.unwrap_or_default(),
             report.blocks,
             report.deposits,
@@ -371,12 +372,79 @@ mod story {
         let derived = deposit_addresses::new_address(&mut pool.get().await?, &btc_key, id("alice")).await?;
         say(format!("  alice's BTC deposit address (BIP-84 P2WPKH): {}", derived.address));
         let address = bitcoin::Address::from_str(&derived.address)?.require_network(bitcoin::Network::Regtest)?;
-        let tx = sim.pay(&[(address, bitcoin::Amount::from_sat(5_000_000))]);
+        let tx = sim.pay(&[(address.clone(), bitcoin::Amount::from_sat(5_000_000))]);
         sim.mine_empty(1);
         sim.mine(&[tx]);
         say("  the simulator mines a real block paying her 0.05 BTC (1 confirmation needed below 0.1 BTC)");
         let auth = BtcAuth::UserPassword { user: sim.user().to_owned(), password: sim.password().to_owned() };
-        scan_and_post(&pool, BtcReader::new(&sim.url(), auth, BtcNetwork::Regtest)?).await?;
+        let btc_reader = || BtcReader::new(&sim.url(), auth.clone(), BtcNetwork::Regtest);
+        scan_and_post(&pool, btc_reader()?).await?;
+
+        chapter("A deposit reorged out, a discrepancy after its grace, the money re-mined and credited again");
+        let half = sim.pay(&[(address.clone(), bitcoin::Amount::from_sat(50_000_000))]);
+        sim.mine(std::slice::from_ref(&half));
+        sim.mine_empty(2);
+        say("  alice is paid 0.5 BTC (the 3-confirmation tier) and the block gets 3 confirmations");
+        scan_and_post(&pool, btc_reader()?).await?;
+        let old_tip = sim.height();
+        sim.reorg(3, &[vec![], vec![], vec![], vec![]]);
+        say(format!(
+            "  a reorg replaces the last 3 blocks with 4 empty ones: the payment is gone (old tip {old_tip}, now {})",
+            sim.height()
+        ));
+        scan_and_post(&pool, btc_reader()?).await?;
+        let open = custodian_projections::reversals::list(&pool.get().await?).await?;
+        say(format!(
+            "  discrepancies open: {} (the grace is the deposit's own 3 blocks beyond the old tip; the money may come back)",
+            open.iter().filter(|p| p.decision.is_none()).count()
+        ));
+        sim.mine_empty(2);
+        scan_and_post(&pool, btc_reader()?).await?;
+        let open: Vec<_> = custodian_projections::reversals::list(&pool.get().await?)
+            .await?
+            .into_iter()
+            .filter(|p| p.decision.is_none())
+            .collect();
+        let Some(round) = open.first() else { bail!("no discrepancy opened after the grace period") };
+        say(format!(
+            "  3 blocks beyond the old tip without it: discrepancy #{} opened for {} ({} sat from {}); nothing debited yet",
+            round.id,
+            round.deposit_key,
+            round.amount,
+            round.ledger_account
+        ));
+        let (decided, _) = custodian_projections::reversals::decide(
+            &mut pool.get().await?,
+            round.id,
+            true,
+            "carol",
+            Some("the payment is gone from the chain"),
+        )
+        .await?;
+        say(format!(
+            "  carol (an approve-scoped token) approves it: alice is debited by transfer #{}",
+            decided.compensating_transfer_id.unwrap_or_default()
+        ));
+        table(&pool, &accounts).await?;
+        sim.mine(std::slice::from_ref(&half));
+        sim.mine_empty(2);
+        say("  the same signed payment is mined again later and confirmed");
+        scan_and_post(&pool, btc_reader()?).await?;
+        let client = pool.get().await?;
+        let row = client
+            .query_one(
+                "select deposit_key, credited::text, reversed::text, recredited::text from deposit_status
+                  where tx_hash = $1 and not orphaned",
+                &[&half.compute_txid().to_string()],
+            )
+            .await?;
+        say(format!(
+            "  deposit_status for {}: credited {}, reversed {}, re-credited {} (automatically, once)",
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2),
+            row.get::<_, String>(3)
+        ));
 
         chapter("Audit");
         let report = replay::verify(&mut pool.get().await?).await?;
