@@ -1,10 +1,13 @@
-//! Property: whatever the order of deposits, reorgs, rewinds, re-scans and posting runs, the
-//! ledger ends balanced, no deposit is credited twice, and `replay --verify` passes.
+//! Property: whatever the order of deposits, reorgs (whose money comes back or not), blocks that
+//! come back, rewinds, re-scans, posting runs, approvals and rejections, after every step each
+//! deposit key's `custody` legs equal what our canonical chain holds confirmed for it (except while
+//! a discrepancy is open or the loss is within its grace), nothing is credited more often than its
+//! rounds allow, and `replay --verify` passes.
 
 use bitcoin::Amount as Sats;
 use custodian_domain::Chain;
 use custodian_ingest::sql;
-use custodian_projections::{posting, replay};
+use custodian_projections::{posting, replay, reversals};
 use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use proptest::prelude::*;
@@ -27,6 +30,10 @@ enum Op {
     Rewind(u64),
     ScanAndPost,
     Post,
+    /// Mine a longer branch on the `n`-th chain abandoned by a reorg: its blocks come back.
+    FlipBack(usize),
+    /// Decide the oldest open discrepancy: approve (debit the customer) or reject (treasury).
+    Decide(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -38,6 +45,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (1..6u64).prop_map(Op::Rewind),
         3 => Just(Op::ScanAndPost),
         1 => Just(Op::Post),
+        1 => (0..3usize).prop_map(Op::FlipBack),
+        2 => any::<bool>().prop_map(Op::Decide),
     ]
 }
 
@@ -48,6 +57,7 @@ async fn run(ops: Vec<Op>) {
     new_account(&db, "a", &addresses[0], 0).await;
     new_account(&db, "b", &addresses[1], 0).await;
     sim.mine_empty(1);
+    let mut abandoned: Vec<(bitcoin::BlockHash, u64)> = Vec::new();
     for op in ops {
         match op {
             Op::Deposit { to, sats } => {
@@ -67,7 +77,24 @@ async fn run(ops: Vec<Op>) {
                 };
                 let mut replacement = vec![Vec::new(); depth + 1];
                 replacement[0] = lost;
+                abandoned.push((sim.block_hash(sim.height()).unwrap(), sim.height()));
                 sim.reorg(depth, &replacement);
+            }
+            Op::FlipBack(n) if !abandoned.is_empty() => {
+                let (tip, height) = abandoned[n % abandoned.len()];
+                let blocks = usize::try_from(sim.height().saturating_sub(height)).unwrap() + 1;
+                sim.mine_branch(tip, &vec![Vec::new(); blocks]);
+            }
+            Op::FlipBack(_) => {}
+            Op::Decide(approve) => {
+                let open = reversals::list(&db.pool.get().await.unwrap())
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .find(|p| p.decision.is_none() && !p.reappeared);
+                if let Some(round) = open {
+                    reversals::decide(&mut db.pool.get().await.unwrap(), round.id, approve, "prop", None).await.unwrap();
+                }
             }
             Op::Reorg { .. } => {}
             Op::Rewind(back) => {
@@ -83,8 +110,10 @@ async fn run(ops: Vec<Op>) {
                 posting::post_chain(&db.pool.get().await.unwrap(), Chain::Btc).await.unwrap();
             }
         }
+        holds_after_every_step(&db).await;
     }
     scan_and_post(&db, &sim).await;
+    holds_after_every_step(&db).await;
 
     let mut client = db.pool.get().await.unwrap();
     let report = replay::verify(&mut client).await.unwrap();
@@ -99,24 +128,26 @@ async fn run(ops: Vec<Op>) {
         .unwrap()
         .get(0);
     assert_eq!(unbalanced, 0, "every transfer balances per asset");
-    // Credited once: each deposit's money is credited by one transfer, for its observed amount.
+    // Credited once per round: a key is credited again only after a decided round took it back.
     let doubled: i64 = client
         .query_one(
             "select count(*) from (
-                select t.reference ->> 'tx_hash', t.reference ->> 'output_index', count(*) from ledger_transfer t
-                 where t.kind = 'deposit' group by 1, 2 having count(*) > 1) d",
+                select t.deposit_key from ledger_transfer t where t.kind = 'deposit' group by 1
+                having count(*) > 1 + (select count(*) from reversal_proposal r join reversal_decision d
+                                         on d.proposal_id = r.id and d.decision in ('approved', 'rejected')
+                                        where r.deposit_key = t.deposit_key)) d",
             &[],
         )
         .await
         .unwrap()
         .get(0);
-    assert_eq!(doubled, 0, "no deposit credited twice");
+    assert_eq!(doubled, 0, "no deposit credited more often than its rounds allow");
     let wrong_amount: i64 = client
         .query_one(
             "select count(*) from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.direction = 'credit'
               where t.kind = 'deposit' and not exists (
                 select 1 from deposit_event d where d.tx_hash = t.reference ->> 'tx_hash'
-                   and d.output_index = (t.reference ->> 'output_index')::int and d.amount = p.amount)",
+                   and d.output_index = (t.reference ->> 'output_index')::int and d.amount >= p.amount)",
             &[],
         )
         .await
@@ -130,6 +161,40 @@ async fn run(ops: Vec<Op>) {
         .unwrap()
         .get(0);
     assert_eq!(unposted, 0);
+}
+
+/// After every step: each key's custody legs are what our canonical chain holds confirmed for it,
+/// unless a discrepancy is open (then the round's amount) or the loss is within its grace; never
+/// more than the deposit's amount; and `replay --verify` passes.
+async fn holds_after_every_step(db: &TestDb) {
+    let mut client = db.pool.get().await.unwrap();
+    let off: Vec<String> = client
+        .query(
+            "with keys as (
+                 select distinct on (s.deposit_key) s.deposit_key, s.amount, s.custody_posted,
+                        bool_or(not s.orphaned and s.confirmed and s.account_id is not null)
+                            over (partition by s.deposit_key) as credit_due,
+                        bool_or(not s.orphaned) over (partition by s.deposit_key) as canonical
+                   from deposit_status s order by s.deposit_key, s.height desc)
+             select k.deposit_key || ': custody ' || k.custody_posted || ' of ' || k.amount
+               from keys k
+               left join deposit_lost l using (deposit_key)
+              where k.custody_posted > k.amount
+                 or (k.credit_due and k.custody_posted <> k.amount)
+                 or (not k.canonical and k.custody_posted <> 0 and l.grace_passed
+                     and not exists (select 1 from deposit_discrepancy d where d.deposit_key = k.deposit_key and d.open)
+                     and not exists (select 1 from deposit_discrepancy d where d.deposit_key = k.deposit_key
+                                       and d.decision = 'rejected' and d.compensating_transfer_id is null))",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(off.is_empty(), "keys whose custody legs disagree with the chain: {off:?}");
+    let report = replay::verify(&mut client).await.unwrap();
+    assert!(report.verified(), "replay --verify found differences: {:#?}", report.differences);
 }
 
 proptest! {
