@@ -4,7 +4,8 @@
 //!    from an in-process reader through the real scanner into PostgreSQL, against the ceiling: a
 //!    server-side `insert … select … from generate_series` of the same rows into the same tables
 //!    of a database with the same schema.
-//! 2. Blocks per second backfilling a prepared chain from anvil over JSON-RPC.
+//! 2. Blocks per second backfilling a prepared chain from anvil over JSON-RPC, with call traces
+//!    (`debug_traceBlockByNumber`, internal deposits) on and off.
 //!
 //! Run with `make bench` (or `cargo bench --bench backfill`); `BACKFILL_BLOCKS` and
 //! `ANVIL_BLOCKS` shrink the runs.
@@ -125,9 +126,9 @@ async fn ceiling(blocks: u64) -> (Duration, i64) {
          insert into raw_block (chain, block_hash, payload)
          select 'eth', '0x' || lpad(to_hex(h), 64, '0'), decode(repeat('5a', {PAYLOAD_BYTES}), 'hex')
            from generate_series(0, {last}) h;
-         insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount)
+         insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
          select 'eth', '0x' || lpad(to_hex(h), 64, '0'),
-                '0x' || lpad(to_hex(h), 56, '0') || lpad(to_hex(i * {WATCHED_EVERY}), 8, '0'), 0,
+                '0x' || lpad(to_hex(h), 56, '0') || lpad(to_hex(i * {WATCHED_EVERY}), 8, '0'), 'native', 0,
                 '0x' || lpad(to_hex((h * {per_block} + i) % {WATCHED_ADDRESSES} + 1), 40, '0'), 'ETH',
                 1000000000 + i * {WATCHED_EVERY}
            from generate_series(0, {last}) h cross join generate_series(0, {per_block_last}) i;
@@ -162,19 +163,24 @@ async fn synthetic_backfill(blocks: u64) -> (Duration, i64, i64) {
     (elapsed, rows, deposits)
 }
 
-async fn anvil_backfill(blocks: u64) -> (Duration, u64) {
+/// A prepared anvil chain: one value transfer every ten blocks, to a watched address.
+async fn anvil_chain(blocks: u64) -> (Anvil, u64) {
     let anvil = Anvil::spawn().await.unwrap();
     let dev = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
-    // One value transfer every ten blocks, to a watched address.
     for _ in 0..blocks / 10 {
         anvil.rpc("eth_sendTransaction", json!([{"from": dev, "to": watched(0), "value": "0x1"}])).await.unwrap();
         anvil.rpc("anvil_mine", json!(["0x9"])).await.unwrap();
     }
     let tip = anvil.rpc("eth_blockNumber", json!([])).await.unwrap();
     let tip = u64::from_str_radix(tip.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    (anvil, tip)
+}
+
+async fn anvil_backfill(anvil: &Anvil, tip: u64, traces: bool) -> (Duration, u64) {
     let db = TestDb::new().await;
     watch_addresses(&db).await;
-    let scanner = Scanner::new(EthReader::new(&anvil.url).unwrap(), db.pool.clone(), ScanConfig::default());
+    let reader = EthReader::new(&anvil.url).unwrap().with_traces(traces);
+    let scanner = Scanner::new(reader, db.pool.clone(), ScanConfig::default());
     let started = Instant::now();
     let report = scanner.run_to_tip(&NoProgress).await.unwrap();
     let elapsed = started.elapsed();
@@ -213,9 +219,13 @@ async fn main() {
         ours_rate * 100 / ceiling_rate % 100
     );
 
-    let (anvil_time, anvil_scanned) = anvil_backfill(anvil_blocks).await;
-    println!(
-        "anvil over JSON-RPC: {anvil_scanned} blocks in {anvil_time:.2?} = {} blocks/s",
-        per_second(anvil_scanned, anvil_time)
-    );
+    let (anvil, tip) = anvil_chain(anvil_blocks).await;
+    for traces in [false, true] {
+        let (anvil_time, anvil_scanned) = anvil_backfill(&anvil, tip, traces).await;
+        println!(
+            "anvil over JSON-RPC, traces {}: {anvil_scanned} blocks in {anvil_time:.2?} = {} blocks/s",
+            if traces { "on " } else { "off" },
+            per_second(anvil_scanned, anvil_time)
+        );
+    }
 }

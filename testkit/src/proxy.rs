@@ -25,6 +25,8 @@ struct RpcState {
     requests: AtomicUsize,
     /// `eth_getBlockReceipts` calls still to be answered `null`.
     null_receipts: AtomicU32,
+    /// A method answered "method not found" (-32601), as a node without that API does.
+    refused: std::sync::Mutex<Option<String>>,
 }
 
 /// A JSON-RPC proxy in front of nodes on loopback.
@@ -71,6 +73,12 @@ impl RpcProxy {
     /// Answers the next `n` `eth_getBlockReceipts` calls with `null`.
     pub fn null_receipts(&self, n: u32) {
         self.state.null_receipts.store(n, Ordering::SeqCst);
+    }
+
+    /// Answers `method` with JSON-RPC's "method not found" from now on, as a node without that
+    /// API (no `debug` namespace, say) does.
+    pub fn refuse(&self, method: &str) {
+        *self.state.refused.lock().expect("BUG: proxy lock poisoned") = Some(method.to_owned());
     }
 
     /// Requests forwarded so far.
@@ -121,7 +129,13 @@ async fn serve_rpc(mut stream: TcpStream, state: Arc<RpcState>) -> Result<()> {
         let body = read_http(&mut stream).await?;
         let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let is_receipts = request["method"] == "eth_getBlockReceipts";
-        let answer = if is_receipts
+        let refused = state.refused.lock().expect("BUG: proxy lock poisoned").clone();
+        let answer = if refused.is_some_and(|m| request["method"] == m.as_str()) {
+            serde_json::json!({"jsonrpc": "2.0", "id": request["id"],
+                               "error": {"code": -32601, "message": format!("the method {} does not exist/is not available", request["method"].as_str().unwrap_or(""))}})
+                .to_string()
+                .into_bytes()
+        } else if is_receipts
             && state.null_receipts.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
         {
             serde_json::json!({"jsonrpc": "2.0", "id": request["id"], "result": null}).to_string().into_bytes()

@@ -342,5 +342,27 @@ async fn a_node_on_another_chain_id_or_genesis_is_refused_with_nothing_written()
     let refused = run(&db, &other_genesis.url, &[], &["scan", "--chain", "eth", "--once"]).await;
     assert_eq!(refused.code, 1, "{}", refused.stderr);
     assert!(refused.stderr.contains(&identity.0), "names the recorded genesis: {}", refused.stderr);
+    // The withdrawal worker refuses it too, before anything is signed.
+    let worker = run(&db, &other_genesis.url, &[], &["work", "--once"]).await;
+    assert_eq!(worker.code, 1, "{}", worker.stderr);
+    assert!(worker.stderr.contains("this database records"), "{}", worker.stderr);
     assert_eq!(count().await, before, "nothing was written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_trace_api_is_a_start_up_error_unless_traces_are_off() {
+    let db = TestDb::new().await;
+    let node = Anvil::spawn().await.unwrap();
+    watch(&db, "alice", W1).await;
+    send(&node, json!({"from": DEV, "to": W1, "value": "0x7"})).await;
+    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&node.url]).await.unwrap();
+    proxy.refuse("debug_traceBlockByNumber");
+    let refused = run(&db, &proxy.url, &[], &["scan", "--chain", "eth", "--once"]).await;
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("CUSTODIAN_ETH_TRACES=false"), "names the way out: {}", refused.stderr);
+    assert!(observations(&db).await.is_empty(), "nothing was scanned");
+    let knowingly =
+        run(&db, &proxy.url, &[("CUSTODIAN_ETH_TRACES", "false")], &["scan", "--chain", "eth", "--once"]).await;
+    assert_eq!(knowingly.code, 0, "{}", knowingly.stderr);
+    assert_eq!(observations(&db).await.len(), 1, "the native deposit is still seen");
 }

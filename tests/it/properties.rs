@@ -93,7 +93,9 @@ async fn run(ops: Vec<Op>) {
                     .into_iter()
                     .find(|p| p.decision.is_none() && !p.reappeared);
                 if let Some(round) = open {
-                    reversals::decide(&mut db.pool.get().await.unwrap(), round.id, approve, "prop", None).await.unwrap();
+                    reversals::decide(&mut db.pool.get().await.unwrap(), round.id, approve, "prop", None)
+                        .await
+                        .unwrap();
                 }
             }
             Op::Reorg { .. } => {}
