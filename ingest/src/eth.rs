@@ -59,7 +59,8 @@ impl EthReader {
         if !self.traces {
             return Ok(());
         }
-        match self.call::<_, Box<RawValue>>("debug_traceBlockByNumber", (quantity(0), call_tracer())).await {
+        // The latest block: geth refuses to trace the genesis block, and any node can trace its head.
+        match self.call::<_, Box<RawValue>>("debug_traceBlockByNumber", ("latest", call_tracer())).await {
             Ok(_) => Ok(()),
             // The node answered, and refused: it has no trace API (or not the callTracer).
             Err(ReadError::Rpc { message, .. }) => Err(ReadError::WrongNetwork {
@@ -110,6 +111,16 @@ struct RpcBlock {
     parent_hash: B256,
     number: U64,
     transactions: Vec<RpcTransaction>,
+}
+
+/// Whether a block answered with full transactions holds any.
+fn has_transactions(block: &RawValue) -> Result<bool, ReadError> {
+    #[derive(Deserialize)]
+    struct Transactions {
+        transactions: Vec<serde::de::IgnoredAny>,
+    }
+    let parsed: Transactions = serde_json::from_str(block.get()).map_err(malformed)?;
+    Ok(!parsed.transactions.is_empty())
 }
 
 fn call_tracer() -> serde_json::Value {
@@ -328,7 +339,8 @@ impl ChainReader for EthReader {
         if receipts.get() == "null" {
             return Err(ReadError::Inconsistent { chain: Chain::Eth, height });
         }
-        let payload = if self.traces {
+        // A block without transactions has no traces (and geth refuses to trace the genesis block).
+        let payload = if self.traces && has_transactions(&block)? {
             let traces: Box<RawValue> =
                 self.call("debug_traceBlockByNumber", (quantity(height), call_tracer())).await?;
             format!("{{\"block\":{},\"receipts\":{},\"traces\":{}}}", block.get(), receipts.get(), traces.get())

@@ -154,6 +154,13 @@ pub async fn decide(
     if current.reappeared {
         return Err(DecisionError::Reappeared(id));
     }
+    // Debiting a customer takes their account lock, as a withdrawal request does: a request
+    // cannot spend, between its balance check and its commit, what this decision takes back.
+    if approve {
+        if let Some(account) = current.ledger_account.strip_prefix("user:").and_then(|id| id.parse::<i64>().ok()) {
+            tx.query_opt("select 1 from account where id = $1 for update", &[&account]).await?;
+        }
+    }
     // Approve: the credited account gives the money back. Reject: the operator absorbs the loss.
     let (key, kind, debited) = if approve {
         (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", current.ledger_account.as_str())

@@ -270,6 +270,32 @@ async fn the_same_external_id_five_times_concurrently_is_one_withdrawal_and_a_di
     assert_eq!(h.count("select count(*) from nonce_allocation").await, 0, "requests never consume a nonce");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_racing_on_a_tight_balance_gets_the_winners_withdrawal_not_insufficient_funds() {
+    // The whole balance, asked for eight times at once with one external id: the requests that
+    // waited for the account lock must find the first one's withdrawal, not the spent balance.
+    for round in 0..5 {
+        let h = Arc::new(Harness::start(&[]).await);
+        let alice = h.funded_account("alice", ETHER).await;
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let h = h.clone();
+                tokio::spawn(async move { h.request(alice, "all-of-it", &destination(1), ETHER).await })
+            })
+            .collect();
+        let mut ids = Vec::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(r) => ids.push(r.withdrawal.id),
+                Err(e) => panic!("round {round}: a duplicate was refused: {e}"),
+            }
+        }
+        ids.dedup();
+        assert_eq!(ids.len(), 1, "round {round}: one withdrawal");
+        assert_eq!(h.available(alice).await, "0");
+    }
+}
+
 #[tokio::test]
 async fn an_erc20_withdrawal_whose_simulation_reverts_is_rejected_without_a_nonce() {
     let h = Harness::start(&[]).await;

@@ -190,6 +190,11 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
     if tx.query_opt("select 1 from account where id = $1 for update", &[&request.account_id]).await?.is_none() {
         return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
     }
+    // A duplicate that waited for the lock while the first request committed finds it now, instead
+    // of reading the balance that request already spent.
+    if let Some(found) = existing(&tx, request).await? {
+        return Ok(found);
+    }
     let available: String = tx
         .query_one(
             "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
