@@ -568,25 +568,68 @@ async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
     h.verify().await;
 }
 
-#[tokio::test]
-async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_charged_and_the_hold_released() {
-    let h = Harness::start(&[]).await;
-    let alice = h.funded_account("alice", 10 * ETHER).await;
-    let hash = h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "data": format!("0x{}", include_str!("../../testkit/contracts/Reverter.bin")), "gas": "0x1e8480"}])).await;
+/// Deploys testkit's Vault (a contract whose receive() writes storage) and returns its address.
+async fn vault(h: &Harness) -> String {
+    let hash = h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "data": format!("0x{}", include_str!("../../testkit/contracts/Vault.bin")), "gas": "0x1e8480"}])).await;
     let receipt = eventually("deployment", Duration::from_secs(10), || async {
         let r = h.anvil.rpc("eth_getTransactionReceipt", json!([hash])).await.unwrap();
         (!r.is_null()).then_some(r)
     })
     .await;
-    let reverter = EthAddress::parse(receipt["contractAddress"].as_str().unwrap()).unwrap().to_checksummed();
-    let w = h.request(alice, "fail-1", &reverter, ETHER).await.unwrap().withdrawal;
+    EthAddress::parse(receipt["contractAddress"].as_str().unwrap()).unwrap().to_checksummed()
+}
+
+#[tokio::test]
+async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_charged_and_the_hold_released() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let vault = vault(&h).await;
+    let w = h.request(alice, "fail-1", &vault, ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
+    // Simulated and signed while the vault takes payments; it closes before the payment mines.
+    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.lane == w.lane)
+        .unwrap();
+    assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 1);
+    h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
     h.work_until(&worker, false, "settlement", |h| {
         Box::pin(async move { h.state(w.id).await == WithdrawalState::FailedOnchain })
     })
     .await;
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "hold released");
     assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'network_fee'").await, 1, "fee charged");
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn native_eth_to_a_contract_is_simulated_paid_with_enough_gas_and_refused_when_it_reverts() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let vault = vault(&h).await;
+    let paid = h.request(alice, "to-vault", &vault, ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(1));
+    h.work_until(&worker, true, "confirmation", |h| {
+        Box::pin(async move { h.state(paid.id).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    assert_eq!(h.balance(&vault).await, U256::from(ETHER), "the contract was paid");
+    let tx_hash = sql::load(&h.db.pool.get().await.unwrap(), paid.id).await.unwrap().unwrap().tx_hash.unwrap();
+    let tx = h.rpc("eth_getTransactionByHash", json!([tx_hash])).await;
+    let gas = u64::from_str_radix(tx["gas"].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    assert!(gas > 21_000, "the gas limit comes from the simulation: {gas}");
+    // A contract that refuses ETH: the simulation reverts, the request is rejected, no nonce is used.
+    h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
+    let nonces_before = h.count("select count(*) from nonce_allocation").await;
+    let refused = h.request(alice, "to-closed-vault", &vault, ETHER).await.unwrap().withdrawal;
+    h.work_until(&worker, false, "the simulation to refuse it", |h| {
+        Box::pin(async move { h.state(refused.id).await == WithdrawalState::Rejected })
+    })
+    .await;
+    assert_eq!(h.count("select count(*) from nonce_allocation").await, nonces_before, "no nonce used");
+    assert_eq!(h.available(alice).await, (9 * ETHER).to_string(), "only the paid withdrawal left the account");
     h.verify().await;
 }
 

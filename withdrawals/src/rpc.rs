@@ -126,6 +126,12 @@ impl EthNode {
         Ok(gas.to::<u64>())
     }
 
+    /// Whether `address` holds contract code at the latest block.
+    pub async fn has_code(&self, address: Address) -> Result<bool, NodeError> {
+        let code: Bytes = self.call("eth_getCode", (address, "latest")).await?;
+        Ok(!code.is_empty())
+    }
+
     /// `eth_sendRawTransaction` of stored bytes.
     pub async fn send_raw(&self, raw: &[u8]) -> Result<B256, NodeError> {
         self.call("eth_sendRawTransaction", (Bytes::copy_from_slice(raw),)).await

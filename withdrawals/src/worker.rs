@@ -586,9 +586,23 @@ impl Worker {
                 continue;
             };
             let (to, value, data) = payout_call(&w);
+            // Plain ETH to an address without code costs exactly 21,000 gas; to a contract (a
+            // Safe, an exchange's deposit contract) its receive code runs and is simulated.
             if data.is_empty() {
-                gas.insert(*id, TRANSFER_GAS);
-                continue;
+                match self.node.has_code(to).await {
+                    Ok(false) => {
+                        gas.insert(*id, TRANSFER_GAS);
+                        continue;
+                    }
+                    Ok(true) => {}
+                    Err(e) => {
+                        tracing::warn!(
+                            withdrawal = id,
+                            "reading the destination's code failed, retried next pass: {e}"
+                        );
+                        continue;
+                    }
+                }
             }
             match self.node.estimate_gas(signer.address(), to, value, &data).await {
                 Ok(estimate) => {
