@@ -275,8 +275,16 @@ pub enum HotWalletCommand {
         #[arg(long, default_value = "paused by an operator")]
         reason: String,
     },
-    /// Resume a paused lane.
+    /// Resume a paused lane (one paused because its key was used outside the service needs a
+    /// resync first).
     Resume {
+        /// Lane.
+        #[arg(long)]
+        lane: String,
+    },
+    /// Re-sync a lane's nonce cursor with the chain (the larger of the chain's pending nonce and
+    /// one above our highest allocated nonce), recorded with both figures; the lane stays paused.
+    Resync {
         /// Lane.
         #[arg(long)]
         lane: String,

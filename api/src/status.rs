@@ -135,6 +135,7 @@ pub(crate) fn hot_wallet(error: HotWalletError) -> Status {
         HotWalletError::Database(e) => database("changing the lane", &e),
         HotWalletError::Node(e) => Status::unavailable(format!("the Ethereum node failed: {e}")),
         taken @ HotWalletError::Taken { .. } => Status::already_exists(taken.to_string()),
+        resync @ HotWalletError::NeedsResync(_) => Status::failed_precondition(resync.to_string()),
     }
 }
 

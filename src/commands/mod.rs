@@ -57,6 +57,7 @@ pub async fn run(cli: Cli) -> Result<Exit> {
             withdraw::pause(&settings, &lane, Some(&reason)).await
         }
         Command::HotWallet(HotWalletCommand::Resume { lane }) => withdraw::pause(&settings, &lane, None).await,
+        Command::HotWallet(HotWalletCommand::Resync { lane }) => withdraw::resync(&settings, &lane).await,
         Command::HotWallet(HotWalletCommand::List) => withdraw::lanes(&settings).await,
         Command::Withdraw { account, asset, to, amount, external_id } => {
             withdraw::request(&settings, &account, &asset, &to, &amount, &external_id).await

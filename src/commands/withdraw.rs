@@ -97,6 +97,23 @@ pub async fn pause(settings: &Settings, lane: &str, reason: Option<&str>) -> Res
     Ok(Exit::Success)
 }
 
+pub async fn resync(settings: &Settings, lane: &str) -> Result<Exit> {
+    let node = node(settings)?;
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "hot-wallet resync").await?;
+    let done = hot_wallet::resync(&mut client, &node, lane, &by).await.map_err(hot_wallet_error)?;
+    if settings.json {
+        super::print_json(&done)?;
+    } else {
+        println!(
+            "lane {lane}: chain nonce {}, ours {}; the cursor moved from {} to {} (recorded); resume it when ready",
+            done.chain_nonce, done.local_next, done.previous_next_nonce, done.next_nonce
+        );
+    }
+    Ok(Exit::Success)
+}
+
 pub async fn lanes(settings: &Settings) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let lanes = hot_wallet::lanes(&pool.get().await?).await?;

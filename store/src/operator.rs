@@ -22,6 +22,8 @@ pub enum Action {
     LanePaused,
     /// A lane was resumed.
     LaneResumed,
+    /// A lane's nonce cursor was re-synced with the chain.
+    LaneResynced,
     /// An ERC-20 contract was registered.
     AssetRegistered,
 }
@@ -37,6 +39,7 @@ impl Action {
             Action::LaneAdded => "lane_added",
             Action::LanePaused => "lane_paused",
             Action::LaneResumed => "lane_resumed",
+            Action::LaneResynced => "lane_resynced",
             Action::AssetRegistered => "asset_registered",
         }
     }

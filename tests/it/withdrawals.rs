@@ -519,6 +519,46 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     assert_eq!(lane_a.address, lanes[0].address);
     assert!(lanes.iter().find(|l| l.lane == "b").unwrap().pause_reason.is_none());
     assert_eq!(h.state(by_lane["b"]).await, WithdrawalState::Confirmed, "lane b keeps going");
+
+    // The way out: resuming is refused until the lane is re-synced with the chain, which is
+    // recorded with both nonces; then it resumes and signs at the chain's next nonce.
+    let operator = crate::harness::operator(&h.db).await;
+    let url = h.db.url.expose().to_owned();
+    let cli = |args: &'static [&'static str]| {
+        let (url, operator, node) = (url.clone(), operator.clone(), h.anvil.url.clone());
+        tokio::task::spawn_blocking(move || {
+            crate::harness::custodian_env(
+                &[("CUSTODIAN_DATABASE_URL", &url), ("CUSTODIAN_TOKEN", &operator), ("CUSTODIAN_ETH_RPC_URL", &node)],
+                args,
+            )
+        })
+    };
+    let refused = cli(&["hot-wallet", "resume", "--lane", "a"]).await.unwrap();
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("hot-wallet resync --lane a"), "{}", refused.stderr);
+    let chain_nonce = h.rpc("eth_getTransactionCount", json!([lane_a.address, "pending"])).await;
+    let chain_nonce = u64::from_str_radix(chain_nonce.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    let resynced = cli(&["hot-wallet", "resync", "--lane", "a", "--json"]).await.unwrap();
+    assert_eq!(resynced.code, 0, "{}", resynced.stderr);
+    assert_eq!(resynced.json()["chain_nonce"], chain_nonce);
+    assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce.unwrap() + 1));
+    assert_eq!(
+        h.count("select count(*) from operator_action where action = 'lane_resynced' and principal = 'operator'").await,
+        1
+    );
+    let resumed = cli(&["hot-wallet", "resume", "--lane", "a"]).await.unwrap();
+    assert_eq!(resumed.code, 0, "{}", resumed.stderr);
+    let mut next = None;
+    while next.is_none() {
+        n += 1;
+        let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
+        next = (w.lane == "a").then_some(w.id);
+    }
+    let next = next.unwrap();
+    h.work_until(&worker, true, "the resumed lane to pay", |h| {
+        Box::pin(async move { h.state(next).await == WithdrawalState::Confirmed })
+    })
+    .await;
 }
 
 #[tokio::test]

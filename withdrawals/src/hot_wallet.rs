@@ -33,6 +33,9 @@ pub enum HotWalletError {
     /// No such lane.
     #[error("no lane {0:?}")]
     UnknownLane(String),
+    /// The lane's key was used outside the service: its nonces must be re-synced first.
+    #[error("lane {0:?} was paused because its key was used outside the service: run `custodian hot-wallet resync --lane {0}` before resuming it")]
+    NeedsResync(String),
     /// The node could not be asked for the pending nonce.
     #[error(transparent)]
     Node(#[from] NodeError),
@@ -119,6 +122,12 @@ pub async fn set_paused(
                 .await?
         }
         None => {
+            let row = tx
+                .query_opt("select needs_resync from hot_wallet where chain = 'eth' and lane = $1 for update", &[&lane])
+                .await?;
+            if row.is_some_and(|r| r.get::<_, bool>(0)) {
+                return Err(HotWalletError::NeedsResync(lane.to_owned()));
+            }
             tx.execute("update hot_wallet set paused_at = null, pause_reason = null where chain = 'eth' and lane = $1", &[&lane])
                 .await?
         }
@@ -133,4 +142,68 @@ pub async fn set_paused(
     operator::record(&tx, action, by, &details).await?;
     tx.commit().await?;
     Ok(())
+}
+
+/// What a resync found and set.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Resync {
+    /// The lane.
+    pub lane: String,
+    /// The chain's pending nonce of the lane's address, read before the transaction.
+    pub chain_nonce: u64,
+    /// One above the highest nonce we ever allocated from the address (0 if none).
+    pub local_next: u64,
+    /// The cursor before.
+    pub previous_next_nonce: u64,
+    /// The cursor now: the larger of the two.
+    pub next_nonce: u64,
+}
+
+/// Re-syncs a lane's nonce cursor with the chain on `by`'s authority: the cursor becomes the
+/// larger of the chain's pending nonce (read first, outside the transaction) and one above our
+/// highest allocated nonce, the resync is recorded with both figures as an operator action, and
+/// the lane may resume. The lane stays paused.
+///
+/// # Cancel safety
+/// One transaction after the node call; cancelled, it changes nothing.
+pub async fn resync(
+    client: &mut deadpool_postgres::Object,
+    node: &EthNode,
+    lane: &str,
+    by: &str,
+) -> Result<Resync, HotWalletError> {
+    let address = lanes(&*client)
+        .await?
+        .into_iter()
+        .find(|l| l.lane == lane)
+        .ok_or_else(|| HotWalletError::UnknownLane(lane.to_owned()))?
+        .address;
+    let chain_nonce = node.nonce(address.parse().expect("BUG: stored hot wallet is not an address"), true).await?;
+    let tx = client.transaction().await?;
+    let previous: i64 = tx
+        .query_one("select next_nonce from hot_wallet where chain = 'eth' and lane = $1 for update", &[&lane])
+        .await?
+        .get(0);
+    let highest: Option<i64> = tx
+        .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
+        .await?
+        .get(0);
+    let local_next = highest.map_or(0, |n| u64::try_from(n).expect("BUG: negative nonce") + 1);
+    let next = chain_nonce.max(local_next);
+    tx.execute(
+        "update hot_wallet set next_nonce = $2, needs_resync = false where chain = 'eth' and lane = $1",
+        &[&lane, &i64::try_from(next).expect("BUG: nonce beyond i64")],
+    )
+    .await?;
+    let done = Resync {
+        lane: lane.to_owned(),
+        chain_nonce,
+        local_next,
+        previous_next_nonce: u64::try_from(previous).expect("BUG: negative nonce"),
+        next_nonce: next,
+    };
+    operator::record(&tx, Action::LaneResynced, by, &serde_json::to_value(&done).expect("BUG: a resync serialises"))
+        .await?;
+    tx.commit().await?;
+    Ok(done)
 }

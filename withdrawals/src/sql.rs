@@ -217,7 +217,17 @@ pub async fn in_states<C: GenericClient>(
 }
 
 /// Pauses a lane with a reason (kept if already paused).
-pub async fn pause_lane<C: GenericClient>(client: &C, lane: &str, reason: &str) -> Result<bool, tokio_postgres::Error> {
+pub async fn pause_lane<C: GenericClient>(
+    client: &C,
+    lane: &str,
+    reason: &str,
+    needs_resync: bool,
+) -> Result<bool, tokio_postgres::Error> {
+    if needs_resync {
+        // Marked even when the lane was paused already for another reason: resuming it now
+        // takes a resync first.
+        client.execute("update hot_wallet set needs_resync = true where chain = 'eth' and lane = $1", &[&lane]).await?;
+    }
     let paused = client
         .execute(
             "update hot_wallet set paused_at = now(), pause_reason = $2 where chain = 'eth' and lane = $1 and paused_at is null",

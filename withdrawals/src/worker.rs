@@ -427,7 +427,22 @@ impl Worker {
     }
 
     async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
-        if sql::pause_lane(&self.pool.get().await?, &lane.lane, reason).await? {
+        self.pause_lane(lane, reason, false, report).await
+    }
+
+    /// Pauses a lane whose key was used outside the service: it resumes only after a resync.
+    async fn pause_for_resync(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
+        self.pause_lane(lane, &format!("{reason}; resync the lane before resuming it"), true, report).await
+    }
+
+    async fn pause_lane(
+        &self,
+        lane: &Lane,
+        reason: &str,
+        needs_resync: bool,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        if sql::pause_lane(&self.pool.get().await?, &lane.lane, reason, needs_resync).await? {
             report.paused_lanes.push(lane.lane.clone());
         }
         Ok(())
@@ -480,7 +495,7 @@ impl Worker {
                         .await?
                     {
                         report.needs_review += 1;
-                        self.pause(lane, &format!("needs review: {reason}"), report).await?;
+                        self.pause_for_resync(lane, &format!("needs review: {reason}"), report).await?;
                     }
                 }
             }
@@ -559,7 +574,7 @@ impl Worker {
                 format!("chain nonce {pending} is above our next nonce {next}: the key was used outside the service");
             metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
                 .increment(1);
-            self.pause(lane, &reason, report).await?;
+            self.pause_for_resync(lane, &reason, report).await?;
         }
         Ok(())
     }
@@ -844,8 +859,13 @@ impl Worker {
                 tx.commit().await?;
             }
         }
-        sql::pause_lane(&self.pool.get().await?, &lane.lane, "a withdrawal row did not match its requested event")
-            .await?;
+        sql::pause_lane(
+            &self.pool.get().await?,
+            &lane.lane,
+            "a withdrawal row did not match its requested event",
+            false,
+        )
+        .await?;
         Ok(())
     }
 
