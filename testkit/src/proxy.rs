@@ -25,8 +25,9 @@ struct RpcState {
     requests: AtomicUsize,
     /// `eth_getBlockReceipts` calls still to be answered `null`.
     null_receipts: AtomicU32,
-    /// A method answered "method not found" (-32601), as a node without that API does.
-    refused: std::sync::Mutex<Option<String>>,
+    /// A method answered "method not found" (-32601), as a node without that API does, or an
+    /// error for calls of a method whose parameters contain a string.
+    refused: std::sync::Mutex<Option<(String, Option<String>)>>,
 }
 
 /// A JSON-RPC proxy in front of nodes on loopback.
@@ -78,7 +79,20 @@ impl RpcProxy {
     /// Answers `method` with JSON-RPC's "method not found" from now on, as a node without that
     /// API (no `debug` namespace, say) does.
     pub fn refuse(&self, method: &str) {
-        *self.state.refused.lock().expect("BUG: proxy lock poisoned") = Some(method.to_owned());
+        *self.state.refused.lock().expect("BUG: proxy lock poisoned") = Some((method.to_owned(), None));
+    }
+
+    /// Answers calls of `method` whose parameters mention `needle` (an address, say) with an
+    /// internal error, as a node failing for one account does; other calls are served.
+    pub fn fail_mentioning(&self, method: &str, needle: &str) {
+        *self.state.refused.lock().expect("BUG: proxy lock poisoned") =
+            Some((method.to_owned(), Some(needle.to_ascii_lowercase())));
+    }
+
+    /// Serves every call again (undoes [`refuse`](Self::refuse) and
+    /// [`fail_mentioning`](Self::fail_mentioning)).
+    pub fn heal(&self) {
+        *self.state.refused.lock().expect("BUG: proxy lock poisoned") = None;
     }
 
     /// Requests forwarded so far.
@@ -130,9 +144,18 @@ async fn serve_rpc(mut stream: TcpStream, state: Arc<RpcState>) -> Result<()> {
         let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let is_receipts = request["method"] == "eth_getBlockReceipts";
         let refused = state.refused.lock().expect("BUG: proxy lock poisoned").clone();
-        let answer = if refused.is_some_and(|m| request["method"] == m.as_str()) {
-            serde_json::json!({"jsonrpc": "2.0", "id": request["id"],
-                               "error": {"code": -32601, "message": format!("the method {} does not exist/is not available", request["method"].as_str().unwrap_or(""))}})
+        let refusal = refused.filter(|(method, needle)| {
+            request["method"] == method.as_str()
+                && needle
+                    .as_ref()
+                    .is_none_or(|n| request["params"].to_string().to_ascii_lowercase().contains(n.as_str()))
+        });
+        let answer = if let Some((method, needle)) = refusal {
+            let (code, message) = match needle {
+                None => (-32601, format!("the method {method} does not exist/is not available")),
+                Some(_) => (-32603, "internal error".to_owned()),
+            };
+            serde_json::json!({"jsonrpc": "2.0", "id": request["id"], "error": {"code": code, "message": message}})
                 .to_string()
                 .into_bytes()
         } else if is_receipts

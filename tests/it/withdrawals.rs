@@ -561,6 +561,42 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_whose_node_calls_fail_is_backed_off_and_the_other_lane_still_settles() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let mut by_lane: HashMap<String, i64> = HashMap::new();
+    let mut n = 0;
+    while by_lane.len() < 2 {
+        n += 1;
+        let w = h.request(alice, &format!("iso-{n}"), &destination(200 + n), ETHER / 100).await.unwrap().withdrawal;
+        by_lane.entry(w.lane.clone()).or_insert(w.id);
+    }
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
+    // The node fails every nonce question about lane a's address (lanes are worked a, then b).
+    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    proxy.fail_mentioning("eth_getTransactionCount", &lane_a);
+    let worker = Worker::new(h.db.pool.clone(), EthNode::new(&proxy.url).unwrap(), h.signers.clone(), config(1));
+    let first = worker.pass().await.expect("a lane's failure does not fail the pass");
+    assert!(first.lane_errors.iter().any(|e| e.starts_with("a:")), "{:?}", first.lane_errors);
+    let b = by_lane["b"];
+    h.work_until(&worker, true, "lane b to settle while lane a fails", |h| {
+        Box::pin(async move { h.state(b).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::Requested, "lane a made no progress, and lost nothing");
+    proxy.heal();
+    let a = by_lane["a"];
+    eventually("lane a to settle once the node answers again", Duration::from_secs(60), || async {
+        worker.pass().await.unwrap();
+        h.mine(1).await;
+        (h.state(a).await == WithdrawalState::Confirmed).then_some(())
+    })
+    .await;
+    h.verify().await;
+}
+
 #[tokio::test]
 async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
     let h = Harness::start(&["--no-mining"]).await;

@@ -148,7 +148,14 @@ pub struct PassReport {
     pub needs_review: u64,
     /// Lanes paused by this pass.
     pub paused_lanes: Vec<String>,
+    /// Lanes whose part of this pass failed transiently, with the error: the other lanes went on.
+    pub lane_errors: Vec<String>,
 }
+
+/// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].
+const LANE_FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
+/// Longest wait between tries of a failing lane.
+const LANE_MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The worker for every ETH lane it holds a key for.
 pub struct Worker {
@@ -156,6 +163,8 @@ pub struct Worker {
     node: EthNode,
     signers: HashMap<String, Arc<dyn Signer>>,
     config: WorkerConfig,
+    /// Lanes failing transiently: when each may be tried again, and its current backoff.
+    lane_backoff: std::sync::Mutex<HashMap<String, (std::time::Instant, std::time::Duration)>>,
 }
 
 /// `to`, `value` and calldata of the payout a withdrawal asks for.
@@ -327,7 +336,7 @@ enum Sent {
 impl Worker {
     /// A worker signing for `signers` (lane name → signer).
     pub fn new(pool: Pool, node: EthNode, signers: HashMap<String, Arc<dyn Signer>>, config: WorkerConfig) -> Worker {
-        Worker { pool, node, signers, config }
+        Worker { pool, node, signers, config, lane_backoff: std::sync::Mutex::default() }
     }
 
     /// One pass over every lane this worker holds a key for.
@@ -344,22 +353,70 @@ impl Worker {
                     lane_address: lane.address,
                 });
             }
-            self.settle(&lane, &mut report).await?;
-            self.check_cursor(&lane, &mut report).await?;
-            let lane = hot_wallet::lanes(&self.pool.get().await?)
-                .await?
-                .into_iter()
-                .find(|l| l.lane == lane.lane)
-                .expect("BUG: a lane disappeared");
-            if lane.pause_reason.is_some() {
+            // Each lane's part is independent: a lane failing transiently (its node calls, its
+            // rows) is logged, counted and backed off with jitter, and the other lanes go on.
+            if self.backing_off(&lane.lane) {
                 continue;
             }
-            self.allocate(&lane, signer.as_ref(), chain_id, &mut report).await?;
-            self.cancel_attempts(&lane, signer.as_ref(), &mut report).await?;
-            self.broadcast(&lane, &mut report).await?;
-            self.bump(&lane, signer.as_ref(), &mut report).await?;
+            match self.lane_pass(&lane, signer.as_ref(), chain_id, &mut report).await {
+                Ok(()) => {
+                    self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&lane.lane);
+                }
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => {
+                    let wait = self.lane_failed(&lane.lane);
+                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
+                    tracing::warn!(lane = %lane.lane, retry_in_ms = wait.as_millis() as u64,
+                        "the lane's pass failed; the other lanes go on: {e}");
+                    report.lane_errors.push(format!("{}: {e}", lane.lane));
+                }
+            }
         }
         Ok(report)
+    }
+
+    /// One lane's part of a pass: settle, the cursor check, then (unless paused) allocate,
+    /// cancel, broadcast and bump.
+    async fn lane_pass(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        chain_id: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        self.settle(lane, report).await?;
+        self.check_cursor(lane, report).await?;
+        let lane = hot_wallet::lanes(&self.pool.get().await?)
+            .await?
+            .into_iter()
+            .find(|l| l.lane == lane.lane)
+            .expect("BUG: a lane disappeared");
+        if lane.pause_reason.is_some() {
+            return Ok(());
+        }
+        self.allocate(&lane, signer, chain_id, report).await?;
+        self.cancel_attempts(&lane, signer, report).await?;
+        self.broadcast(&lane, report).await?;
+        self.bump(&lane, signer, report).await?;
+        Ok(())
+    }
+
+    /// Whether `lane` failed recently and its backoff has not run out.
+    fn backing_off(&self, lane: &str) -> bool {
+        let backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        backoff.get(lane).is_some_and(|(until, _)| std::time::Instant::now() < *until)
+    }
+
+    /// Records a failure of `lane`: its next try waits twice as long as the last (with jitter).
+    fn lane_failed(&self, lane: &str) -> std::time::Duration {
+        use std::hash::{BuildHasher, Hasher};
+        let mut backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = backoff.get(lane).map_or(LANE_FIRST_BACKOFF, |(_, last)| (*last * 2).min(LANE_MAX_BACKOFF));
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let half = u64::try_from(current.as_millis() / 2).unwrap_or(u64::MAX).max(1);
+        let wait = current + std::time::Duration::from_millis(random % half);
+        backoff.insert(lane.to_owned(), (std::time::Instant::now() + wait, current));
+        wait
     }
 
     /// The node's chain id, refused unless it is the configured one and the node's chain is the
