@@ -34,6 +34,10 @@ pub struct GlobalArgs {
     /// (required whenever hot-wallet keys are configured).
     #[arg(long = "eth-chain-id", global = true, env = "CUSTODIAN_ETH_CHAIN_ID")]
     pub eth_chain_id: Option<u64>,
+    /// How long one Ethereum node call may take before it counts as failed (retried; a worker lane
+    /// backs off) [default: 10000].
+    #[arg(long = "eth-rpc-timeout-ms", global = true, env = "CUSTODIAN_ETH_RPC_TIMEOUT_MS")]
+    pub eth_rpc_timeout_ms: Option<u64>,
     /// Read ETH call traces (internal deposits: contract wallets, batch payouts); `false` scans
     /// without them, knowingly, on a node without `debug_traceBlockByNumber` [default: true].
     #[arg(long = "eth-traces", global = true, env = "CUSTODIAN_ETH_TRACES")]

@@ -54,6 +54,8 @@ pub struct EthConfig {
     pub deposit_xpub: Option<String>,
     /// Read call traces for internal deposits (default true).
     pub traces: Option<bool>,
+    /// Timeout of one node call, milliseconds (default 10 000).
+    pub rpc_timeout_ms: Option<u64>,
 }
 
 /// `[btc]`.

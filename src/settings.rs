@@ -24,6 +24,8 @@ pub struct Settings {
     pub eth_chain_id: Option<u64>,
     /// Whether ETH call traces are read.
     pub eth_traces: bool,
+    /// Timeout of one Ethereum node call.
+    pub eth_rpc_timeout: std::time::Duration,
     /// Bitcoin Core JSON-RPC endpoint, if configured.
     pub btc_rpc: Option<String>,
     /// Bitcoin Core credentials.
@@ -93,6 +95,9 @@ impl Settings {
             eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
             eth_chain_id: args.eth_chain_id.or(file.eth.chain_id),
             eth_traces: args.eth_traces.or(file.eth.traces).unwrap_or(true),
+            eth_rpc_timeout: std::time::Duration::from_millis(
+                args.eth_rpc_timeout_ms.or(file.eth.rpc_timeout_ms).unwrap_or(10_000).max(1),
+            ),
             btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
             btc_auth,
             btc_network,

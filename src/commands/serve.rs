@@ -164,7 +164,7 @@ pub async fn run(
         let lanes = hot_wallet::lanes(&pool.get().await?).await?;
         let signers = super::withdraw::signers(settings, &lanes, &worker_args.key_files)?;
         super::withdraw::require_chain_id(settings, &signers)?;
-        let node = EthNode::new(url).map_err(|e| invalid(e.to_string()))?;
+        let node = EthNode::with_timeout(url, settings.eth_rpc_timeout).map_err(|e| invalid(e.to_string()))?;
         let worker = Worker::new(pool.clone(), node, signers, super::withdraw::worker_config(settings, worker_args));
         tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone(), broken.clone()));
     }

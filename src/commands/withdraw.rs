@@ -24,7 +24,7 @@ fn node(settings: &Settings) -> Result<EthNode> {
         .eth_rpc
         .as_deref()
         .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
-    EthNode::new(url).map_err(|e| invalid(e.to_string()))
+    EthNode::with_timeout(url, settings.eth_rpc_timeout).map_err(|e| invalid(e.to_string()))
 }
 
 fn hot_wallet_error(e: HotWalletError) -> anyhow::Error {

@@ -28,6 +28,8 @@ struct RpcState {
     /// A method answered "method not found" (-32601), as a node without that API does, or an
     /// error for calls of a method whose parameters contain a string.
     refused: std::sync::Mutex<Option<(String, Option<String>)>>,
+    /// Calls of a method mentioning a string that are never answered.
+    silent: std::sync::Mutex<Option<(String, String)>>,
 }
 
 /// A JSON-RPC proxy in front of nodes on loopback.
@@ -89,10 +91,18 @@ impl RpcProxy {
             Some((method.to_owned(), Some(needle.to_ascii_lowercase())));
     }
 
+    /// Never answers calls of `method` whose parameters mention `needle`, as a node that went
+    /// silent for them does; other calls are served.
+    pub fn hang_mentioning(&self, method: &str, needle: &str) {
+        *self.state.silent.lock().expect("BUG: proxy lock poisoned") =
+            Some((method.to_owned(), needle.to_ascii_lowercase()));
+    }
+
     /// Serves every call again (undoes [`refuse`](Self::refuse) and
     /// [`fail_mentioning`](Self::fail_mentioning)).
     pub fn heal(&self) {
         *self.state.refused.lock().expect("BUG: proxy lock poisoned") = None;
+        *self.state.silent.lock().expect("BUG: proxy lock poisoned") = None;
     }
 
     /// Requests forwarded so far.
@@ -143,6 +153,13 @@ async fn serve_rpc(mut stream: TcpStream, state: Arc<RpcState>) -> Result<()> {
         let body = read_http(&mut stream).await?;
         let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let is_receipts = request["method"] == "eth_getBlockReceipts";
+        let silent = state.silent.lock().expect("BUG: proxy lock poisoned").clone();
+        if silent.is_some_and(|(method, needle)| {
+            request["method"] == method.as_str() && request["params"].to_string().to_ascii_lowercase().contains(&needle)
+        }) {
+            // Silent: hold the connection open without a word until the client gives up.
+            std::future::pending::<()>().await;
+        }
         let refused = state.refused.lock().expect("BUG: proxy lock poisoned").clone();
         let refusal = refused.filter(|(method, needle)| {
             request["method"] == method.as_str()

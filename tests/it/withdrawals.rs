@@ -597,6 +597,39 @@ async fn a_lane_whose_node_calls_fail_is_backed_off_and_the_other_lane_still_set
     h.verify().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_silent_for_one_lane_times_out_and_the_other_lane_still_settles() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let mut by_lane: HashMap<String, i64> = HashMap::new();
+    let mut n = 0;
+    while by_lane.len() < 2 {
+        n += 1;
+        let w = h.request(alice, &format!("silent-{n}"), &destination(300 + n), ETHER / 100).await.unwrap().withdrawal;
+        by_lane.entry(w.lane.clone()).or_insert(w.id);
+    }
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
+    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    proxy.hang_mentioning("eth_getTransactionCount", &lane_a);
+    let node = EthNode::with_timeout(&proxy.url, Duration::from_millis(300)).unwrap();
+    let worker = Worker::new(h.db.pool.clone(), node, h.signers.clone(), config(1));
+    let started = std::time::Instant::now();
+    let first = tokio::time::timeout(Duration::from_secs(10), worker.pass())
+        .await
+        .expect("a silent node never freezes the pass")
+        .expect("a lane's timeout does not fail the pass");
+    assert!(started.elapsed() < Duration::from_secs(5), "bounded by the call timeout: {:?}", started.elapsed());
+    assert!(first.lane_errors.iter().any(|e| e.starts_with("a:")), "{:?}", first.lane_errors);
+    let b = by_lane["b"];
+    h.work_until(&worker, true, "lane b to settle while the node is silent for lane a", |h| {
+        Box::pin(async move { h.state(b).await == WithdrawalState::Confirmed })
+    })
+    .await;
+    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::Requested);
+    h.verify().await;
+}
+
 #[tokio::test]
 async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
     let h = Harness::start(&["--no-mining"]).await;

@@ -79,12 +79,25 @@ pub struct EthNode {
     client: RpcClient,
 }
 
+/// How long one node call may take by default before it counts as failed.
+pub const NODE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl EthNode {
-    /// The node at `url`.
+    /// The node at `url`, every call bounded by [`NODE_TIMEOUT`].
     pub fn new(url: &str) -> Result<EthNode, NodeError> {
+        EthNode::with_timeout(url, NODE_TIMEOUT)
+    }
+
+    /// The node at `url`, every call bounded by `timeout`: a silent node is a transport error
+    /// (retried later, that lane backed off), never a frozen worker.
+    pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthNode, NodeError> {
         custodian_store::tls::install_crypto_provider();
         let url = url.parse().map_err(|e| NodeError::Transport(format!("invalid Ethereum RPC URL: {e}")))?;
-        Ok(EthNode { client: RpcClient::new_http(url) })
+        let http = alloy::transports::http::reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| NodeError::Transport(format!("building the HTTP client: {e}")))?;
+        Ok(EthNode { client: RpcClient::new_http_with_client(http, url) })
     }
 
     async fn call<P, R>(&self, method: &'static str, params: P) -> Result<R, NodeError>
