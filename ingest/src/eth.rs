@@ -35,15 +35,26 @@ pub struct EthReader {
     traces: bool,
 }
 
+/// How long one node call may take by default before it counts as unreachable (and is retried).
+pub const RPC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl EthReader {
-    /// A reader for the node at `url` (`http://…`).
+    /// A reader for the node at `url` (`http://…`), every call bounded by [`RPC_TIMEOUT`].
     pub fn new(url: &str) -> Result<EthReader, ReadError> {
+        EthReader::with_timeout(url, RPC_TIMEOUT)
+    }
+
+    /// A reader whose every call is bounded by `timeout`: a silent node is a transient failure,
+    /// retried with backoff and shown as `retrying`, never a scanner frozen on a call.
+    pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthReader, ReadError> {
         custodian_store::tls::install_crypto_provider();
-        let url = url.parse().map_err(|e| ReadError::Unavailable {
-            chain: Chain::Eth,
-            message: format!("invalid Ethereum RPC URL: {e}"),
-        })?;
-        Ok(EthReader { client: RpcClient::new_http(url), traces: true })
+        let unavailable = |message: String| ReadError::Unavailable { chain: Chain::Eth, message };
+        let url = url.parse().map_err(|e| unavailable(format!("invalid Ethereum RPC URL: {e}")))?;
+        let http = alloy::transports::http::reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| unavailable(format!("building the HTTP client: {e}")))?;
+        Ok(EthReader { client: RpcClient::new_http_with_client(http, url), traces: true })
     }
 
     /// Whether call traces are read (internal deposits). On by default; a node without a trace

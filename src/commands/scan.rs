@@ -110,7 +110,9 @@ pub async fn eth_reader(settings: &Settings) -> Result<EthReader> {
         .eth_rpc
         .as_deref()
         .ok_or_else(|| invalid("no Ethereum node: set --eth-rpc or CUSTODIAN_ETH_RPC_URL"))?;
-    let reader = EthReader::new(url).map_err(|e| invalid(e.to_string()))?.with_traces(settings.eth_traces);
+    let reader = EthReader::with_timeout(url, settings.eth_rpc_timeout)
+        .map_err(|e| invalid(e.to_string()))?
+        .with_traces(settings.eth_traces);
     match reader.check_traces().await {
         Ok(()) => Ok(reader),
         Err(e @ custodian_ingest::ReadError::WrongNetwork { .. }) => Err(invalid(e.to_string())),

@@ -323,3 +323,51 @@ async fn an_inconsistent_provider_is_backed_off_from_and_the_chain_it_then_serve
     running.await.unwrap().expect("the scanner never stopped for good");
     assert_eq!(canonical_heights(&db, Chain::Eth).await, (0..=14).collect::<Vec<i64>>());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_node_is_retried_after_its_timeout_and_never_freezes_the_scanner() {
+    use custodian_ingest::{ScanConfig, ScannerState};
+    use custodian_testkit::proxy::RpcProxy;
+    let (anvil, db, _) = setup().await;
+    watch(&db, Chain::Eth, "alice", WATCHED).await;
+    send(&anvil, json!({"from": DEV, "to": WATCHED, "value": "0x5"})).await;
+    mine(&anvil, 3).await;
+    let proxy = RpcProxy::start(&[&anvil.url]).await.unwrap();
+    // Silent for every receipts call (its parameters are a block number: "0x" is in all of them).
+    proxy.hang_mentioning("eth_getBlockReceipts", "0x");
+    let reader = EthReader::with_timeout(&proxy.url, std::time::Duration::from_millis(200)).unwrap();
+    let config = ScanConfig {
+        initial_backoff: std::time::Duration::from_millis(50),
+        max_backoff: std::time::Duration::from_millis(200),
+        poll_interval: std::time::Duration::from_millis(50),
+        ..small_batches()
+    };
+    let scanner = std::sync::Arc::new(custodian_ingest::Scanner::new(reader, db.pool.clone(), config));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = {
+        let scanner = scanner.clone();
+        tokio::spawn(async move { scanner.run(&custodian_ingest::NoProgress, stopped).await })
+    };
+    let reason = custodian_testkit::eventually(
+        "the scanner to say it is retrying",
+        std::time::Duration::from_secs(20),
+        || async {
+            match scanner.state().lock().unwrap().clone() {
+                ScannerState::Retrying { reason, .. } => Some(reason),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    assert!(reason.contains("unreachable"), "{reason}");
+    proxy.heal();
+    custodian_testkit::eventually(
+        "the scanner to catch up once the node answers",
+        std::time::Duration::from_secs(30),
+        || async { (canonical_heights(&db, Chain::Eth).await.len() == 5).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap().expect("never stopped for good");
+    assert_eq!(observations(&db, Chain::Eth).await.len(), 1);
+}
