@@ -8,7 +8,7 @@ use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use serde_json::Value;
 
-use crate::harness::{custodian, custodian_env};
+use crate::harness::{custodian, custodian_env_async};
 use crate::ledger::new_account;
 
 /// `replay --verify --json` must fail (exit 3) and name `check` with a detail containing `needle`.
@@ -55,19 +55,14 @@ async fn deposits() -> (TestDb, BitcoinSim, String) {
     sim.mine(std::slice::from_ref(&paid));
     sim.mine(&[sim.pay(&[(address.clone(), Sats::from_sat(2_000_000))])]);
     sim.mine_empty(2);
-    let env = [
+    let env = vec![
         ("CUSTODIAN_DATABASE_URL".to_owned(), db.url.expose().to_owned()),
         ("CUSTODIAN_BTC_RPC_URL".to_owned(), sim.url()),
         ("CUSTODIAN_BTC_RPC_USER".to_owned(), sim.user().to_owned()),
         ("CUSTODIAN_BTC_RPC_PASSWORD".to_owned(), sim.password().to_owned()),
         ("CUSTODIAN_BTC_NETWORK".to_owned(), "regtest".to_owned()),
     ];
-    let scanned = tokio::task::spawn_blocking(move || {
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        custodian_env(&env, &["scan", "--chain", "btc", "--once"])
-    })
-    .await
-    .unwrap();
+    let scanned = custodian_env_async(env, &["scan", "--chain", "btc", "--once"]).await;
     assert_eq!(scanned.code, 0, "{}", scanned.stderr);
     sealed_all(&db).await;
     let replay = custodian(db.url.expose(), &["replay", "--verify", "--json"]);

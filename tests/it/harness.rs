@@ -38,6 +38,19 @@ pub fn custodian_env(env: &[(&str, &str)], args: &[&str]) -> Run {
     }
 }
 
+/// [`custodian_env`] off the async runtime, for tests whose node (the simulator, a proxy) answers
+/// on that runtime while the binary runs.
+pub async fn custodian_env_async(env: Vec<(String, String)>, args: &[&str]) -> Run {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    tokio::task::spawn_blocking(move || {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        custodian_env(&env, &args)
+    })
+    .await
+    .expect("the binary ran")
+}
+
 /// Runs `custodian args…` against `database_url` on the authority of the operator's `token`.
 pub fn custodian_as(database_url: &str, token: &str, args: &[&str]) -> Run {
     custodian_env(&[("CUSTODIAN_DATABASE_URL", database_url), ("CUSTODIAN_TOKEN", token)], args)

@@ -8,7 +8,7 @@ use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use serde_json::Value;
 
-use crate::harness::{custodian, custodian_env, Run};
+use crate::harness::{custodian, custodian_env, custodian_env_async, Run};
 use crate::ledger::{available, new_account};
 
 /// The environment of a BTC command against `sim`.
@@ -28,14 +28,7 @@ fn btc_env(db: &TestDb, sim: &BitcoinSim, token: Option<&str>) -> Vec<(String, S
 
 /// Runs the binary off the runtime (the simulator answers on it meanwhile).
 async fn run(env: Vec<(String, String)>, args: &[&str]) -> Run {
-    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    tokio::task::spawn_blocking(move || {
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        custodian_env(&env, &args)
-    })
-    .await
-    .expect("the binary ran")
+    custodian_env_async(env, args).await
 }
 
 /// `custodian scan --chain btc --once`, which posts after every step exactly as `serve` does.

@@ -9,7 +9,7 @@ use custodian_store::ownership;
 use custodian_testkit::{Anvil, TestDb};
 use serde_json::{json, Value};
 
-use crate::harness::{custodian, custodian_env, Run};
+use crate::harness::{custodian, custodian_env_async, Run};
 
 const DEV: &str = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
 const DEV1: &str = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8";
@@ -22,14 +22,7 @@ async fn run(db: &TestDb, node: &str, extra: &[(&str, &str)], args: &[&str]) -> 
         ("CUSTODIAN_ETH_RPC_URL".into(), node.to_owned()),
     ];
     env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
-    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    tokio::task::spawn_blocking(move || {
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        custodian_env(&env, &args)
-    })
-    .await
-    .unwrap()
+    custodian_env_async(env, args).await
 }
 
 async fn scan(db: &TestDb, node: &Anvil) {

@@ -523,22 +523,18 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     // The way out: resuming is refused until the lane is re-synced with the chain, which is
     // recorded with both nonces; then it resumes and signs at the chain's next nonce.
     let operator = crate::harness::operator(&h.db).await;
-    let url = h.db.url.expose().to_owned();
-    let cli = |args: &'static [&'static str]| {
-        let (url, operator, node) = (url.clone(), operator.clone(), h.anvil.url.clone());
-        tokio::task::spawn_blocking(move || {
-            crate::harness::custodian_env(
-                &[("CUSTODIAN_DATABASE_URL", &url), ("CUSTODIAN_TOKEN", &operator), ("CUSTODIAN_ETH_RPC_URL", &node)],
-                args,
-            )
-        })
-    };
-    let refused = cli(&["hot-wallet", "resume", "--lane", "a"]).await.unwrap();
+    let env = vec![
+        ("CUSTODIAN_DATABASE_URL".to_owned(), h.db.url.expose().to_owned()),
+        ("CUSTODIAN_TOKEN".to_owned(), operator),
+        ("CUSTODIAN_ETH_RPC_URL".to_owned(), h.anvil.url.clone()),
+    ];
+    let cli = |args: &'static [&'static str]| crate::harness::custodian_env_async(env.clone(), args);
+    let refused = cli(&["hot-wallet", "resume", "--lane", "a"]).await;
     assert_eq!(refused.code, 2, "{}", refused.stderr);
     assert!(refused.stderr.contains("hot-wallet resync --lane a"), "{}", refused.stderr);
     let chain_nonce = h.rpc("eth_getTransactionCount", json!([lane_a.address, "pending"])).await;
     let chain_nonce = u64::from_str_radix(chain_nonce.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
-    let resynced = cli(&["hot-wallet", "resync", "--lane", "a", "--json"]).await.unwrap();
+    let resynced = cli(&["hot-wallet", "resync", "--lane", "a", "--json"]).await;
     assert_eq!(resynced.code, 0, "{}", resynced.stderr);
     assert_eq!(resynced.json()["chain_nonce"], chain_nonce);
     assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce.unwrap() + 1));
@@ -546,7 +542,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
         h.count("select count(*) from operator_action where action = 'lane_resynced' and principal = 'operator'").await,
         1
     );
-    let resumed = cli(&["hot-wallet", "resume", "--lane", "a"]).await.unwrap();
+    let resumed = cli(&["hot-wallet", "resume", "--lane", "a"]).await;
     assert_eq!(resumed.code, 0, "{}", resumed.stderr);
     let mut next = None;
     while next.is_none() {
