@@ -69,6 +69,10 @@ pub enum WithdrawalEvent {
     Broadcast {
         /// The attempt sent.
         tx_hash: String,
+        /// The chain head when the node first accepted the bytes: a bump's age counts from here.
+        /// Absent in events recorded before it was kept (their age counts from signing).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_block: Option<u64>,
     },
     /// A sibling attempt at the same nonce with higher fees.
     Bumped {
@@ -132,6 +136,34 @@ pub enum WithdrawalEvent {
         /// What was found.
         reason: String,
     },
+    /// The lowest open nonce could not be bumped within the configured maximum fee: an alert, and
+    /// the withdrawal shows `stuck_at_cap` until a bump or the chain moves it on.
+    FeeCapReached {
+        /// The live attempt that could not be raised.
+        tx_hash: String,
+        /// `max_fee_per_gas_wei`, wei.
+        cap: Amount,
+        /// Chain head when found.
+        at_block: u64,
+    },
+    /// An operator settled a `needs_review` withdrawal with the evidence: paid by `tx_hash`
+    /// (checked on chain: sent by the hot wallet, at the withdrawal's nonce, paying its
+    /// destination what it asked) or not paid (the slot was consumed by something else; the hold
+    /// is released).
+    Resolved {
+        /// Whether the destination was paid.
+        paid: bool,
+        /// The transaction that paid.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tx_hash: Option<String>,
+        /// Its block.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        block_hash: Option<String>,
+        /// The fee of the transaction that consumed the nonce, wei (charged either way).
+        fee: Amount,
+        /// The operator.
+        by: String,
+    },
 }
 
 fn one() -> u32 {
@@ -172,6 +204,8 @@ impl WithdrawalEvent {
             WithdrawalEvent::CancelRequested { .. } => "cancel_requested",
             WithdrawalEvent::Cancelled { .. } => "cancelled",
             WithdrawalEvent::NeedsReview { .. } => "needs_review",
+            WithdrawalEvent::FeeCapReached { .. } => "fee_cap_reached",
+            WithdrawalEvent::Resolved { .. } => "resolved",
         }
     }
 }
@@ -286,8 +320,14 @@ pub struct Withdrawal {
     pub last_seq: i32,
     /// State before a cancel was requested.
     pub state_before_cancel: Option<WithdrawalState>,
-    /// Chain head when the latest attempt was signed (bumps count blocks from here).
+    /// Chain head when the live attempt was first accepted by the node (or signed, for a bump or
+    /// an event recorded before acceptance was kept): bumps count blocks from here.
     pub attempt_at_block: Option<u64>,
+    /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
+    /// or, after its block was reorged out, the one that had been mined.
+    pub live_attempt: Option<String>,
+    /// The live attempt cannot be bumped within the fee cap (an alert was raised).
+    pub stuck_at_cap: bool,
     /// The principal who requested it (empty for streams older than principals).
     pub requested_by: String,
     /// Distinct approvers it needs while awaiting approval.
@@ -320,6 +360,8 @@ impl Withdrawal {
             last_seq: 1,
             state_before_cancel: None,
             attempt_at_block: None,
+            live_attempt: None,
+            stuck_at_cap: false,
             requested_by: requested_by.clone(),
             approvals_required: 0,
             approvers: Vec::new(),
@@ -354,18 +396,24 @@ impl Withdrawal {
                 self.from_address = Some(from_address.clone());
                 self.nonce = Some(*nonce);
                 self.tx_hash = Some(tx_hash.clone());
+                self.live_attempt = Some(tx_hash.clone());
                 if self.state != S::CancelRequested {
                     self.state = S::Signed;
                 }
             }
-            E::Broadcast { tx_hash } => {
+            E::Broadcast { tx_hash, at_block } => {
                 self.tx_hash = Some(tx_hash.clone());
+                if let Some(at_block) = at_block {
+                    self.attempt_at_block = Some(*at_block);
+                }
                 if self.state == S::Signed {
                     self.state = S::Broadcast;
                 }
             }
             E::Bumped { tx_hash, at_block } => {
                 self.attempt_at_block = Some(*at_block);
+                self.live_attempt = Some(tx_hash.clone());
+                self.stuck_at_cap = false;
                 if self.state != S::CancelRequested {
                     self.tx_hash = Some(tx_hash.clone());
                 }
@@ -373,11 +421,26 @@ impl Withdrawal {
             E::Mined { tx_hash, block_hash, .. } => {
                 self.tx_hash = Some(tx_hash.clone());
                 self.mined_block_hash = Some(block_hash.clone());
+                self.stuck_at_cap = false;
                 self.state = S::Mined;
             }
-            E::Unmined { .. } => {
+            E::Unmined { tx_hash, .. } => {
+                // The mined bytes go out again; a cancel requested before they mined still
+                // stands (whichever of our attempts mines next decides the outcome).
                 self.mined_block_hash = None;
-                self.state = S::Broadcast;
+                self.live_attempt = Some(tx_hash.clone());
+                self.state = if self.state_before_cancel.is_some() { S::CancelRequested } else { S::Broadcast };
+            }
+            E::FeeCapReached { .. } => self.stuck_at_cap = true,
+            E::Resolved { paid, tx_hash, block_hash, .. } => {
+                self.stuck_at_cap = false;
+                if *paid {
+                    self.tx_hash = tx_hash.clone();
+                    self.mined_block_hash = block_hash.clone();
+                    self.state = S::Confirmed;
+                } else {
+                    self.state = S::Cancelled;
+                }
             }
             E::Confirmed { .. } => self.state = S::Confirmed,
             E::FailedOnchain { .. } => self.state = S::FailedOnchain,
@@ -464,12 +527,16 @@ mod tests {
                 S::Requested,
                 None,
             ),
-            (vec![requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into() }], S::Broadcast, Some("0x01")),
+            (
+                vec![requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into(), at_block: None }],
+                S::Broadcast,
+                Some("0x01"),
+            ),
             (
                 vec![
                     requested(),
                     signed.clone(),
-                    E::Broadcast { tx_hash: "0x01".into() },
+                    E::Broadcast { tx_hash: "0x01".into(), at_block: None },
                     E::Bumped { tx_hash: "0x02".into(), at_block: 4 },
                     mined.clone(),
                 ],
@@ -509,6 +576,37 @@ mod tests {
             assert_eq!(folded.last_seq as usize, events.len());
         }
         assert!(Withdrawal::fold(9, &[E::Approved { by: "x".into() }]).is_none());
+        // A cancel requested before the payout mined still stands when its block is reorged out,
+        // and the bytes that were mined are the ones kept alive, not the latest signed.
+        let raced = Withdrawal::fold(
+            9,
+            &[
+                requested(),
+                signed.clone(),
+                E::Broadcast { tx_hash: "0x01".into(), at_block: Some(3) },
+                E::CancelRequested { by: "x".into() },
+                E::Bumped { tx_hash: "0x03".into(), at_block: 4 },
+                E::Mined { tx_hash: "0x01".into(), block_hash: "0xb1".into(), block_number: 5 },
+                E::Unmined { tx_hash: "0x01".into(), block_hash: "0xb1".into() },
+            ],
+        )
+        .unwrap();
+        assert_eq!(raced.state, S::CancelRequested);
+        assert_eq!(raced.live_attempt.as_deref(), Some("0x01"));
+        // Age counts from first acceptance, not from signing; a bump restarts it.
+        let accepted = Withdrawal::fold(
+            9,
+            &[requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into(), at_block: Some(7) }],
+        )
+        .unwrap();
+        assert_eq!(accepted.attempt_at_block, Some(7));
+        let cap = E::FeeCapReached { tx_hash: "0x01".into(), cap: Amount::from_u64(9), at_block: 8 };
+        let stuck = Withdrawal::fold(9, &[requested(), signed.clone(), cap.clone()]).unwrap();
+        assert!(stuck.stuck_at_cap);
+        let moved =
+            Withdrawal::fold(9, &[requested(), signed.clone(), cap, E::Bumped { tx_hash: "0x04".into(), at_block: 9 }])
+                .unwrap();
+        assert!(!moved.stuck_at_cap);
         // A stream recorded before approvals were counted still reads (one approver).
         let old = WithdrawalEvent::from_stored("awaiting_approval", &serde_json::json!({"limit": "1"})).unwrap();
         assert_eq!(

@@ -203,16 +203,16 @@ select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0):
     )
 }
 
-/// The rebuilt withdrawals ($1..$12, from the Rust fold) against every column of the projection.
+/// The rebuilt withdrawals ($1..$13, from the Rust fold) against every column of the projection.
 const WITHDRAWAL_DIFF: &str = "
 with rebuilt as (
     select * from unnest($1::bigint[], $2::text[], $3::int[], $4::text[], $5::text[], $6::bigint[], $7::text[],
-                         $8::text[], $9::bigint[], $10::text[], $11::text[], $12::text[])
+                         $8::text[], $9::bigint[], $10::text[], $11::text[], $12::text[], $13::bool[])
            as r(id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash, account_id, asset,
-                destination, amount)
+                destination, amount, stuck_at_cap)
 ), live as (
     select id, state, last_seq, lane, from_address, nonce, tx_hash, mined_block_hash, account_id, asset, destination,
-           amount::text
+           amount::text, stuck_at_cap
       from withdrawal
 )
 select 'live withdrawal row not rebuilt from its events', w.* from (select * from live except select * from rebuilt) w
@@ -384,7 +384,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let nonces: Vec<Option<i64>> =
         rebuilt.iter().map(|w| w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"))).collect();
     let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id).collect();
-    let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+    let stuck: Vec<bool> = rebuilt.iter().map(|w| w.stuck_at_cap).collect();
+    let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
         &ids,
         &column(|w| Some(w.state.as_str().to_owned())),
         &seqs,
@@ -397,6 +398,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         &column(|w| Some(w.asset.clone())),
         &column(|w| Some(w.destination.clone())),
         &column(|w| Some(w.amount.to_string())),
+        &stuck,
     ];
     for row in tx.query(WITHDRAWAL_DIFF, &rebuilt_params).await? {
         report.differences.push(Difference {

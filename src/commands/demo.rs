@@ -333,7 +333,7 @@ mod story {
                         WithdrawalEvent::Signed { from_address, nonce, tx_hash, .. } => {
                             format!("nonce {nonce} of {from_address} allocated and signed: {tx_hash}")
                         }
-                        WithdrawalEvent::Broadcast { tx_hash } => format!("the node accepted {tx_hash}"),
+                        WithdrawalEvent::Broadcast { tx_hash, .. } => format!("the node accepted {tx_hash}"),
                         WithdrawalEvent::Mined { block_number, .. } => format!("mined in block {block_number}"),
                         WithdrawalEvent::Confirmed { fee, .. } => format!(
                             "confirmed; real fee {} ETH (gasUsed x effectiveGasPrice)",

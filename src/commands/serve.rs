@@ -217,24 +217,13 @@ async fn scan<R: ChainReader + 'static>(
 async fn work(
     worker: Worker,
     interval: Duration,
-    mut stopped: watch::Receiver<bool>,
+    stopped: watch::Receiver<bool>,
     broken: Arc<std::sync::Mutex<Vec<String>>>,
 ) -> Result<()> {
-    while !*stopped.borrow() {
-        // A pass is never cut short: the stop flag is looked at between passes.
-        match worker.pass().await {
-            Err(e) if e.is_fatal() => {
-                let reason = format!("the withdrawal worker stopped: {e}");
-                broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
-                anyhow::bail!(reason);
-            }
-            Err(e) => tracing::warn!("withdrawal pass failed, retried after the interval: {e}"),
-            Ok(_) => {}
-        }
-        tokio::select! {
-            _ = stopped.changed() => {}
-            _ = tokio::time::sleep(interval) => {}
-        }
+    if let Err(e) = worker.run(interval, stopped).await {
+        let reason = format!("the withdrawal worker stopped: {e}");
+        broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
+        anyhow::bail!(reason);
     }
     Ok(())
 }

@@ -420,18 +420,12 @@ pub async fn work(
         }
         return Ok(Exit::Success);
     }
-    let mut shutdown = std::pin::pin!(super::shutdown_signal());
-    loop {
-        // A pass is never interrupted: the signal is only looked at between passes.
-        match worker.pass().await {
-            Err(e) if e.is_fatal() => return Err(anyhow::Error::new(e).context("the withdrawal worker stopped")),
-            Err(e) => tracing::warn!("withdrawal pass failed, retried after the interval: {e}"),
-            Ok(_) => {}
-        }
-        tokio::select! {
-            _ = &mut shutdown => break,
-            _ = tokio::time::sleep(interval) => {}
-        }
-    }
+    // A pass is never interrupted: the signal is only looked at between passes.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    worker.run(interval, stopped).await.context("the withdrawal worker stopped")?;
     Ok(Exit::Success)
 }

@@ -9,4 +9,5 @@ mod lifecycle;
 mod lifecycle_eth;
 mod properties;
 mod serve;
+mod withdrawal_edges;
 mod withdrawals;

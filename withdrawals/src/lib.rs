@@ -9,6 +9,7 @@
 pub mod actions;
 pub mod hot_wallet;
 pub mod limits;
+pub mod payout;
 pub mod request;
 pub mod rpc;
 pub mod signer;

@@ -54,6 +54,19 @@ pub struct Receipt {
     pub block_number: u64,
     /// gasUsed × effectiveGasPrice.
     pub fee: U256,
+    /// The events it emitted, in order.
+    pub logs: Vec<Log>,
+}
+
+/// One event of a receipt.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Log {
+    /// The contract that emitted it.
+    pub address: Address,
+    /// Its topics.
+    pub topics: Vec<B256>,
+    /// Its data.
+    pub data: Bytes,
 }
 
 #[derive(Debug, Deserialize)]
@@ -64,6 +77,26 @@ struct RpcReceipt {
     block_number: U64,
     gas_used: U256,
     effective_gas_price: U256,
+    #[serde(default)]
+    logs: Vec<Log>,
+}
+
+/// A transaction as the node reports it (the evidence an operator's resolution is checked against).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChainTx {
+    /// Sender.
+    pub from: Address,
+    /// Called address (`None` for a creation).
+    pub to: Option<Address>,
+    /// Nonce.
+    pub nonce: U64,
+    /// Wei sent.
+    pub value: U256,
+    /// Calldata.
+    pub input: Bytes,
+    /// Its block, once mined.
+    pub block_hash: Option<B256>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -164,7 +197,35 @@ impl EthNode {
             block_hash: r.block_hash,
             block_number: r.block_number.to::<u64>(),
             fee: r.gas_used.saturating_mul(r.effective_gas_price),
+            logs: r.logs,
         }))
+    }
+
+    /// `eth_getTransactionByHash`.
+    pub async fn transaction(&self, hash: B256) -> Result<Option<ChainTx>, NodeError> {
+        self.call("eth_getTransactionByHash", (hash,)).await
+    }
+
+    /// `eth_call` at the latest block: what the call returns. A revert is an error with `is_revert`.
+    pub async fn call_at_latest(
+        &self,
+        from: Address,
+        to: Address,
+        value: U256,
+        data: &Bytes,
+    ) -> Result<Bytes, NodeError> {
+        self.call("eth_call", (json!({"from": from, "to": to, "value": value, "data": data}), "latest")).await
+    }
+
+    /// `eth_getBalance` at the latest block, wei.
+    pub async fn balance(&self, address: Address) -> Result<U256, NodeError> {
+        self.call("eth_getBalance", (address, "latest")).await
+    }
+
+    /// `eth_getTransactionCount` at block `number`: how many of `address`'s transactions that
+    /// block and its ancestors hold.
+    pub async fn nonce_at(&self, address: Address, number: u64) -> Result<u64, NodeError> {
+        Ok(self.call::<_, U64>("eth_getTransactionCount", (address, format!("0x{number:x}"))).await?.to::<u64>())
     }
 
     /// `eth_getTransactionCount` at `latest` (mined) or `pending`.

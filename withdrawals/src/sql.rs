@@ -45,11 +45,11 @@ pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Res
 
 const UPSERT: &str = "
 insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, from_address,
-                        nonce, tx_hash, mined_block_hash, last_seq, requested_by)
-values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''))
+                        nonce, tx_hash, mined_block_hash, last_seq, requested_by, stuck_at_cap)
+values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''), $15)
 on conflict (id) do update set state = excluded.state, from_address = excluded.from_address, nonce = excluded.nonce,
     tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
-    updated_at = now()";
+    stuck_at_cap = excluded.stuck_at_cap, updated_at = now()";
 
 /// Writes `w`, a fold of its stream, as the projection row.
 pub async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), tokio_postgres::Error> {
@@ -71,6 +71,7 @@ pub async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<()
             &w.mined_block_hash,
             &w.last_seq,
             &w.requested_by,
+            &w.stuck_at_cap,
         ],
     )
     .await?;
@@ -154,13 +155,34 @@ pub async fn post(
     Ok(())
 }
 
+/// What an attempt was signed to do (DESIGN §7 item 11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Intent {
+    /// Pays what the requested event asks for.
+    Payout,
+    /// A zero-value transfer to ourselves that consumes the nonce.
+    Cancel,
+}
+
+impl Intent {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Intent::Payout => "payout",
+            Intent::Cancel => "cancel",
+        }
+    }
+}
+
 /// One signed payload of a withdrawal.
 #[derive(Debug, Clone)]
 pub struct Attempt {
     /// Hash.
     pub tx_hash: String,
-    /// `original`, `bump` or `cancel`.
+    /// `original`, `bump` or `cancel`: how it came to be signed.
     pub kind: String,
+    /// What it was signed to do.
+    pub intent: Intent,
     /// Exact bytes.
     pub raw: Vec<u8>,
     /// Max fee per gas, wei.
@@ -171,30 +193,70 @@ pub struct Attempt {
 pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attempt>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "select tx_hash, kind, raw_tx, max_fee from withdrawal_attempt where withdrawal_id = $1 order by created_at, tx_hash",
+            "select tx_hash, kind, intent, raw_tx, max_fee from withdrawal_attempt where withdrawal_id = $1
+              order by created_at, tx_hash",
             &[&id],
         )
         .await?;
-    Ok(rows.iter().map(|r| Attempt { tx_hash: r.get(0), kind: r.get(1), raw: r.get(2), max_fee: r.get(3) }).collect())
+    Ok(rows
+        .iter()
+        .map(|r| Attempt {
+            tx_hash: r.get(0),
+            kind: r.get(1),
+            intent: if r.get::<_, &str>(2) == "cancel" { Intent::Cancel } else { Intent::Payout },
+            raw: r.get(3),
+            max_fee: r.get(4),
+        })
+        .collect())
+}
+
+/// A signed payload to record: how it came to be, what it does, its bytes and fees.
+pub struct NewAttempt<'a> {
+    /// Hot wallet.
+    pub from: &'a str,
+    /// Nonce.
+    pub nonce: u64,
+    /// `bump` or `cancel`.
+    pub kind: &'a str,
+    /// What it does.
+    pub intent: Intent,
+    /// Destination, value and calldata it was signed with.
+    pub call: (&'a str, U256, &'a [u8]),
+    /// Hash.
+    pub hash: &'a str,
+    /// Exact bytes.
+    pub raw: &'a [u8],
+    /// Max fee per gas, wei.
+    pub max_fee: U256,
+    /// Max priority fee per gas, wei.
+    pub priority_fee: U256,
 }
 
 /// Records a signed payload.
-#[allow(clippy::too_many_arguments)]
 pub async fn insert_attempt(
     tx: &Transaction<'_>,
     w: &Withdrawal,
-    from: &str,
-    nonce: u64,
-    kind: &str,
-    hash: &str,
-    raw: &[u8],
-    max_fee: U256,
-    priority_fee: U256,
+    a: &NewAttempt<'_>,
 ) -> Result<(), tokio_postgres::Error> {
+    let (to, value, data) = a.call;
     tx.execute(
-        "insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
-         values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8)",
-        &[&hash, &w.id, &from, &i64::try_from(nonce).expect("BUG: nonce beyond i64"), &kind, &raw, &max_fee, &priority_fee],
+        "insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, intent, intent_to,
+                                         intent_value, intent_data, raw_tx, max_fee, priority_fee)
+         values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        &[
+            &a.hash,
+            &w.id,
+            &a.from,
+            &i64::try_from(a.nonce).expect("BUG: nonce beyond i64"),
+            &a.kind,
+            &a.intent.as_str(),
+            &to,
+            &value,
+            &data,
+            &a.raw,
+            &a.max_fee,
+            &a.priority_fee,
+        ],
     )
     .await?;
     Ok(())

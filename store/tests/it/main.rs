@@ -67,8 +67,8 @@ pub async fn seed_one_of_everything(client: &Client) {
              insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values (1, 1, 'requested', '{{}}');
              insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', '{hot}', 'a', 1);
              insert into nonce_allocation (chain, from_address, nonce, withdrawal_id) values ('eth', '{hot}', 0, 1);
-             insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, raw_tx, max_fee, priority_fee)
-                  values ('{tx}', 1, 'eth', '{hot}', 0, 'original', '\\x02', 100, 1);"
+             insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, intent, raw_tx, max_fee, priority_fee)
+                  values ('{tx}', 1, 'eth', '{hot}', 0, 'original', 'payout', '\\x02', 100, 1);"
         ))
         .await
         .expect("seeding one row per table");

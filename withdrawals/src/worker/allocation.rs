@@ -1,0 +1,585 @@
+//! Allocation: the hot wallet's funds against what the lane already has in flight, simulation,
+//! then the nonce allocator: one transaction per lane batch that locks the `hot_wallet` row,
+//! assigns consecutive nonces, signs locally and stores every payload before committing.
+
+use std::collections::HashMap;
+
+use alloy::consensus::TxEip1559;
+use alloy_primitives::{Address, TxKind, U256};
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::Amount;
+use custodian_store::Pipelined;
+
+use super::{PassReport, WorkError, Worker};
+use crate::hot_wallet::Lane;
+use crate::payout::{self, balance_of_call, fresh_fees, hex, payout_call, returned_u256, token_of, TRANSFER_GAS};
+use crate::signer::{SignedTx, Signer, SignerError};
+use crate::sql::{self, Movement};
+
+/// Batches at least this large are signed on several threads (each thread takes at least
+/// half of this many), so that a lane's row lock is held for less time.
+const PARALLEL_SIGNING_FROM: usize = 16;
+
+/// At most this many threads sign one batch.
+const MAX_SIGNING_THREADS: usize = 4;
+
+/// Signs `txs` in order, on as many threads as there are cores (up to
+/// [`MAX_SIGNING_THREADS`]) when the batch is large enough to be worth it. The allocating
+/// transaction waits on this with the lane locked, and the database is idle meanwhile.
+fn sign_all(signer: &dyn Signer, txs: Vec<TxEip1559>) -> Result<Vec<SignedTx>, SignerError> {
+    // Asked once: on Linux the answer reads the cgroup files, tens of microseconds a time.
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = cores.min(MAX_SIGNING_THREADS).min(txs.len() / (PARALLEL_SIGNING_FROM / 2)).max(1);
+    if threads == 1 {
+        return txs.into_iter().map(|tx| signer.sign(tx)).collect();
+    }
+    let sign = |chunk: &[TxEip1559]| chunk.iter().map(|tx| signer.sign(tx.clone())).collect::<Result<Vec<_>, _>>();
+    let mut chunks = txs.chunks(txs.len().div_ceil(threads));
+    let first = chunks.next().expect("BUG: no chunk to sign");
+    std::thread::scope(|scope| {
+        let others: Vec<_> = chunks.map(|chunk| scope.spawn(move || sign(chunk))).collect();
+        let mut signed = sign(first)?;
+        for other in others {
+            signed.extend(other.join().expect("BUG: a signing thread panicked")?);
+        }
+        Ok(signed)
+    })
+}
+
+/// Fees and context of one allocation round, read from the node before the transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct Pricing {
+    /// EIP-155 chain id.
+    pub chain_id: u64,
+    /// Max fee per gas, wei.
+    pub max_fee: U256,
+    /// Max priority fee per gas, wei.
+    pub priority_fee: U256,
+    /// Chain head when signing.
+    pub head: u64,
+}
+
+/// The columns of one signed batch, as arrays for set-based statements.
+#[derive(Default)]
+struct SignedBatch {
+    ids: Vec<i64>,
+    nonces: Vec<i64>,
+    seqs: Vec<i32>,
+    payloads: Vec<serde_json::Value>,
+    hashes: Vec<String>,
+    raws: Vec<Vec<u8>>,
+    intent_to: Vec<String>,
+    intent_value: Vec<U256>,
+    intent_data: Vec<Vec<u8>>,
+}
+
+/// The lane's cursor (locked) and, in nonce order, the ready withdrawals still requested that no
+/// other worker holds (locked, skipping locked ones), each with its whole event stream: what is
+/// signed comes from the fold of the stream, which must be `requested` at the row's sequence, and
+/// the projection row must agree with it. The lane row comes back even when no withdrawal does
+/// (its withdrawal columns null).
+const LOCK_LANE_AND_WITHDRAWALS: &str = "
+with lane as (
+    select next_nonce, paused_at is not null as paused from hot_wallet where chain = 'eth' and lane = $1 for update
+), ready as (
+    select id, account_id, asset, destination, amount, last_seq from withdrawal
+     where id = any($2) and state = 'requested' and lane = $1
+     order by id for update skip locked
+)
+select lane.next_nonce, lane.paused, ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq,
+       (select array_agg(e.event_type order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id),
+       (select array_agg(e.payload order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id)
+  from lane left join ready on true
+ order by ready.id";
+
+/// Every write of an allocation in one statement, so the batch costs the server one execution
+/// and one reply: the nonces, the signed payloads, the `signed` events, the projection, and the
+/// lane's cursor. $1 lane, $2 from_address, $3 ids, $4 nonces, $5 seqs, $6 hashes, $7 raw
+/// transactions, $8 payloads, $9 max fee, $10 priority fee, $11 the next nonce, $12..$14 each
+/// payout's destination, value and calldata (its intent).
+///
+/// The sub-statements cannot see each other's rows, but the foreign key from
+/// `withdrawal_attempt` to `nonce_allocation` is checked after the whole statement, when they
+/// can. The projection is found through `id = any($3)`, which the generic plan always answers from
+/// the primary key (joined to the unnest alone, a small table would be scanned whole).
+const WRITE_ALLOCATIONS: &str = "
+with signed as (
+    select * from unnest($3::bigint[], $4::bigint[], $5::int[], $6::text[], $7::bytea[], $8::jsonb[], $12::text[],
+                         $13::numeric[], $14::bytea[])
+        as s(id, nonce, seq, hash, raw, payload, intent_to, intent_value, intent_data)
+), allocated as (
+    insert into nonce_allocation (chain, from_address, nonce, withdrawal_id)
+    select 'eth', $2, nonce, id from signed
+), attempted as (
+    insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, intent, intent_to,
+                                    intent_value, intent_data, raw_tx, max_fee, priority_fee)
+    select hash, id, 'eth', $2, nonce, 'original', 'payout', intent_to, intent_value, intent_data, raw, $9, $10
+      from signed
+), appended as (
+    insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+    select id, seq, 'signed', payload from signed
+), projected as (
+    update withdrawal w set state = 'signed', from_address = $2, nonce = s.nonce, tx_hash = s.hash, last_seq = s.seq,
+           updated_at = now()
+      from signed s
+     where w.id = any($3) and w.id = s.id
+)
+update hot_wallet set next_nonce = $11 where chain = 'eth' and lane = $1";
+
+/// What a withdrawal pays, as the allocator compares it between the event and the projection.
+#[derive(Debug, PartialEq, Eq)]
+struct PaidAs {
+    account_id: i64,
+    asset: String,
+    destination: String,
+    amount: Amount,
+}
+
+impl std::fmt::Display for PaidAs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} units of {} from account {} to {}", self.amount, self.asset, self.account_id, self.destination)
+    }
+}
+
+/// What the lane can still spend, per asset: the hot wallet's balance at the latest block less
+/// what its in-flight attempts may still take (for ether the worst case of every sibling: value
+/// plus its whole gas at its max fee), less what this round has already planned.
+struct Funds {
+    ether: U256,
+    tokens: HashMap<String, U256>,
+    in_flight_tokens: HashMap<String, U256>,
+}
+
+/// Every attempt of the lane's withdrawals that are signed and not yet mined, with what each
+/// withdrawal pays.
+const IN_FLIGHT: &str = "
+select w.id, w.asset, w.amount, a.raw_tx
+  from withdrawal w join withdrawal_attempt a on a.withdrawal_id = w.id
+ where w.chain = 'eth' and w.lane = $1 and w.state in ('signed', 'broadcast', 'cancel_requested')";
+
+impl Worker {
+    /// Simulates what needs it, then allocates consecutive nonces and signs in one transaction.
+    /// Withdrawals the hot wallet cannot cover (after what is already in flight) wait, oldest
+    /// first, and the lane reports the shortage; they are never rejected for our own shortage.
+    pub(super) async fn allocate(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        chain_id: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let mut candidates = sql::in_states(&client, &lane.lane, &[WithdrawalState::Requested]).await?;
+        candidates.truncate(usize::try_from(self.config.batch_size).expect("BUG: negative batch"));
+        if candidates.is_empty() {
+            self.set_shortage(lane, None).await?;
+            return Ok(());
+        }
+        let (base, tip) = self.node.fees().await?;
+        let (max_fee, priority_fee) = fresh_fees(base, tip, self.config.max_fee_per_gas_wei);
+        let head = self.node.block_number().await?;
+        let mut funds = self.funds(lane, signer.address()).await?;
+        let mut gas = HashMap::new();
+        let mut short = None;
+        for id in &candidates {
+            // A row without events is tampering: the allocation below reviews it.
+            let Some(w) = sql::load(&client, *id).await? else {
+                gas.insert(*id, TRANSFER_GAS);
+                continue;
+            };
+            let call = payout_call(&w);
+            if let Some(token) = token_of(&w.asset) {
+                let left = self.token_left(&mut funds, &w.asset, token, signer.address()).await?;
+                if left < w.amount.units() {
+                    short = Some(format!(
+                        "{} of {}: the hot wallet can spend {left} after its in-flight payouts, withdrawal {} needs {}",
+                        w.asset, lane.address, w.id, w.amount
+                    ));
+                    break;
+                }
+            }
+            let Some(limit) = self.simulate(signer.address(), &w, &call, report).await? else { continue };
+            let cost = call.value.saturating_add(U256::from(limit).saturating_mul(max_fee));
+            if funds.ether < cost {
+                short = Some(format!(
+                    "ETH of {}: the hot wallet can spend {} wei after its in-flight attempts, withdrawal {} needs up to \
+                     {cost} wei (value and gas at {max_fee} wei per gas)",
+                    lane.address, funds.ether, w.id
+                ));
+                break;
+            }
+            funds.ether -= cost;
+            if token_of(&w.asset).is_some() {
+                let left = funds.tokens.get_mut(&w.asset).expect("BUG: token funds read above");
+                *left -= w.amount.units();
+            }
+            gas.insert(*id, limit);
+        }
+        drop(client);
+        if let Some(reason) = &short {
+            report.short_lanes.push(format!("{}: {reason}", lane.lane));
+        }
+        self.set_shortage(lane, short).await?;
+        let pricing = Pricing { chain_id, max_fee, priority_fee, head };
+        let mut ready: Vec<(i64, u64)> = gas.into_iter().collect();
+        ready.sort_unstable();
+        report.signed += self.sign_batch(lane, signer, &pricing, &ready).await?;
+        Ok(())
+    }
+
+    /// The gas limit for `w`'s payout, or `None` when it is not to be signed this pass (rejected
+    /// by a deterministic simulation failure, or the simulation could not be run). Plain ether to
+    /// an address without code costs exactly 21,000 gas; to a contract (a Safe, an exchange's
+    /// deposit contract) its receive code runs and is simulated, as is every token transfer,
+    /// whose return value must not be `false`.
+    async fn simulate(
+        &self,
+        from: Address,
+        w: &Withdrawal,
+        call: &payout::Call,
+        report: &mut PassReport,
+    ) -> Result<Option<u64>, WorkError> {
+        if call.data.is_empty() {
+            match self.node.has_code(call.to).await {
+                Ok(false) => return Ok(Some(TRANSFER_GAS)),
+                Ok(true) => {}
+                Err(e) => {
+                    tracing::warn!(withdrawal = w.id, "reading the destination's code failed, retried next pass: {e}");
+                    return Ok(None);
+                }
+            }
+        }
+        let refusal = match self.node.call_at_latest(from, call.to, call.value, &call.data).await {
+            Ok(returned) if call.data.is_empty() || payout::transfer_returned_true(&returned) => None,
+            Ok(_) => Some("the token's transfer returned false".to_owned()),
+            Err(e) if e.is_revert() => Some(format!("simulation reverted: {e}")),
+            Err(e) => {
+                tracing::warn!(withdrawal = w.id, "simulation failed, retried next pass (no nonce used): {e}");
+                return Ok(None);
+            }
+        };
+        let refusal = match refusal {
+            Some(reason) => reason,
+            None => match self.node.estimate_gas(from, call.to, call.value, &call.data).await {
+                Ok(estimate) => return Ok(Some(estimate + estimate / 5)),
+                Err(e) if e.is_revert() => format!("simulation reverted: {e}"),
+                Err(e) => {
+                    tracing::warn!(withdrawal = w.id, "estimating gas failed, retried next pass (no nonce used): {e}");
+                    return Ok(None);
+                }
+            },
+        };
+        let rejected = WithdrawalEvent::Rejected { reason: refusal };
+        if self
+            .record(w.id, |w| w.state == WithdrawalState::Requested, rejected, &[(Movement::Release, Amount::ZERO)])
+            .await?
+        {
+            report.rejected += 1;
+        }
+        Ok(None)
+    }
+
+    /// The lane's ether at the latest block less the worst case of its in-flight attempts; the
+    /// token amounts in flight are kept for [`Worker::token_left`].
+    async fn funds(&self, lane: &Lane, hot_wallet: Address) -> Result<Funds, WorkError> {
+        let ether = self.node.balance(hot_wallet).await?;
+        let rows = self.pool.get().await?.query(IN_FLIGHT, &[&lane.lane]).await?;
+        let mut worst: HashMap<i64, U256> = HashMap::new();
+        let mut in_flight_tokens: HashMap<String, U256> = HashMap::new();
+        let mut counted = std::collections::HashSet::new();
+        for row in &rows {
+            let (id, asset, amount, raw): (i64, String, U256, Vec<u8>) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            let cost = payout::worst_cost(&payout::decode(&raw));
+            let entry = worst.entry(id).or_default();
+            *entry = (*entry).max(cost);
+            if token_of(&asset).is_some() && counted.insert(id) {
+                let sum = in_flight_tokens.entry(asset).or_default();
+                *sum = sum.saturating_add(amount);
+            }
+        }
+        let committed = worst.values().fold(U256::ZERO, |sum, cost| sum.saturating_add(*cost));
+        Ok(Funds { ether: ether.saturating_sub(committed), tokens: HashMap::new(), in_flight_tokens })
+    }
+
+    /// What the lane can still spend of `asset`: `balanceOf` at the latest block less its
+    /// in-flight payouts and what this round planned (read once per asset per round).
+    async fn token_left(
+        &self,
+        funds: &mut Funds,
+        asset: &str,
+        token: Address,
+        hot_wallet: Address,
+    ) -> Result<U256, WorkError> {
+        if let Some(left) = funds.tokens.get(asset) {
+            return Ok(*left);
+        }
+        let call = balance_of_call(token, hot_wallet);
+        let returned = self.node.call_at_latest(hot_wallet, call.to, call.value, &call.data).await?;
+        let balance = returned_u256(&returned).unwrap_or_default();
+        let in_flight = funds.in_flight_tokens.get(asset).copied().unwrap_or_default();
+        let left = balance.saturating_sub(in_flight);
+        funds.tokens.insert(asset.to_owned(), left);
+        Ok(left)
+    }
+
+    /// Records (or clears, with `None`) what the lane is short of; the start of a shortage is an
+    /// alert, its end a notice.
+    async fn set_shortage(&self, lane: &Lane, shortage: Option<String>) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let before: Option<String> = client
+            .query_one("select shortage from hot_wallet where chain = 'eth' and lane = $1", &[&lane.lane])
+            .await?
+            .get(0);
+        if before != shortage {
+            client
+                .execute(
+                    "update hot_wallet set shortage = $2,
+                            shortage_since = case when $2::text is null then null else coalesce(shortage_since, now()) end
+                      where chain = 'eth' and lane = $1",
+                    &[&lane.lane, &shortage],
+                )
+                .await?;
+        }
+        metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(if shortage.is_some() {
+            1.0
+        } else {
+            0.0
+        });
+        match (&before, &shortage) {
+            (None, Some(reason)) => {
+                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
+                tracing::error!(lane = %lane.lane, %reason,
+                    "ALERT: the hot wallet is short; its withdrawals wait until it is topped up");
+            }
+            (Some(_), None) => tracing::info!(lane = %lane.lane, "the hot wallet's shortage is over"),
+            _ => {}
+        }
+        Ok(())
+    }
+    /// The allocation transaction itself: lock the lane's `hot_wallet` row, take the `ready`
+    /// withdrawals still `requested` (skipping any another worker holds), assign consecutive
+    /// nonces, sign locally, store every payload, advance the cursor, commit. No network call.
+    /// Returns how many were signed.
+    ///
+    /// # Cancel safety
+    /// One transaction, pipelined in two round trips ([`Pipelined`]): cancelled or crashed before
+    /// commit, no nonce is consumed, and the connection is closed rather than pooled.
+    pub async fn sign_batch(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        pricing: &Pricing,
+        ready: &[(i64, u64)],
+    ) -> Result<u64, WorkError> {
+        let Pricing { chain_id, max_fee, priority_fee, head } = *pricing;
+        let gas: HashMap<i64, u64> = ready.iter().copied().collect();
+        let ids: Vec<i64> = ready.iter().map(|(id, _)| *id).collect();
+        let client = self.pool.get().await?;
+        // Prepared once per connection, so none of these costs a round trip after the first batch.
+        let (lock, write) = futures::try_join!(
+            client.prepare_cached(LOCK_LANE_AND_WITHDRAWALS),
+            client.prepare_cached(WRITE_ALLOCATIONS),
+        )?;
+        // First round trip: BEGIN, then lock the lane's row (every allocation on the lane
+        // serialises here) and the withdrawals still requested that no other worker holds.
+        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane, &ids]).await?;
+        let Some(first) = rows.first() else {
+            tx.rollback().await?;
+            return Ok(0);
+        };
+        let (next_nonce, paused): (i64, bool) = (first.get(0), first.get(1));
+        if paused {
+            tx.rollback().await?;
+            return Ok(0);
+        }
+        let mut batch = SignedBatch::default();
+        let mut unsigned = Vec::new();
+        let mut tampered = Vec::new();
+        let mut nonce = next_nonce;
+        for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
+            let id: i64 = row.get(2);
+            let projected = PaidAs {
+                account_id: row.get(3),
+                asset: row.get(4),
+                destination: row.get(5),
+                amount: Amount::from_units(row.get::<_, U256>(6)),
+            };
+            let types: Vec<String> = row.get::<_, Option<Vec<String>>>(8).unwrap_or_default();
+            let payloads: Vec<serde_json::Value> = row.get::<_, Option<Vec<serde_json::Value>>>(9).unwrap_or_default();
+            let stream: Result<Vec<WithdrawalEvent>, _> =
+                types.iter().zip(&payloads).map(|(t, p)| WithdrawalEvent::from_stored(t, p)).collect();
+            let folded = stream.ok().and_then(|events| Withdrawal::fold(id, &events));
+            let row_seq: i32 = row.get(7);
+            let Some(folded) = folded else {
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row has no readable event stream ({} events); nothing was signed",
+                        types.len()
+                    ),
+                ));
+                continue;
+            };
+            if folded.state != WithdrawalState::Requested || folded.last_seq != row_seq {
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row says requested at event {row_seq}, its event stream says {} at event {}; \
+                         nothing was signed",
+                        folded.state.as_str(),
+                        folded.last_seq
+                    ),
+                ));
+                continue;
+            }
+            let fact = PaidAs {
+                account_id: folded.account_id,
+                asset: folded.asset,
+                destination: folded.destination,
+                amount: folded.amount,
+            };
+            if fact != projected {
+                tampered.push((
+                    id,
+                    format!(
+                        "the withdrawal row does not match its requested event: the event pays {fact}, the row says \
+                         {projected}; nothing was signed"
+                    ),
+                ));
+                continue;
+            }
+            // Signed from the fact, which the projection matched.
+            let w = Withdrawal {
+                id,
+                account_id: fact.account_id,
+                external_id: String::new(),
+                asset: fact.asset,
+                destination: fact.destination,
+                amount: fact.amount,
+                state: WithdrawalState::Requested,
+                lane: lane.lane.clone(),
+                from_address: None,
+                nonce: None,
+                tx_hash: None,
+                mined_block_hash: None,
+                last_seq: row.get(7),
+                state_before_cancel: None,
+                attempt_at_block: None,
+                live_attempt: None,
+                stuck_at_cap: false,
+                requested_by: String::new(),
+                approvals_required: 0,
+                approvers: Vec::new(),
+            };
+            let payout::Call { to, value, data: input } = payout_call(&w);
+            batch.intent_to.push(hex(to));
+            batch.intent_value.push(value);
+            batch.intent_data.push(input.to_vec());
+            unsigned.push(TxEip1559 {
+                chain_id,
+                nonce: u64::try_from(nonce).expect("BUG: negative nonce"),
+                gas_limit: gas[&w.id],
+                max_fee_per_gas: max_fee.to::<u128>(),
+                max_priority_fee_per_gas: priority_fee.to::<u128>(),
+                to: TxKind::Call(to),
+                value,
+                input,
+                ..Default::default()
+            });
+            batch.ids.push(w.id);
+            batch.nonces.push(nonce);
+            batch.seqs.push(w.last_seq + 1);
+            nonce += 1;
+        }
+        if !tampered.is_empty() {
+            // Sign nothing: someone changed what a withdrawal pays behind the event stream.
+            tx.rollback().await?;
+            self.review_tampered(lane, tampered).await?;
+            return Ok(0);
+        }
+        for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
+            let hash = hex(signed_tx.hash);
+            let event = WithdrawalEvent::Signed {
+                from_address: lane.address.clone(),
+                nonce: u64::try_from(*nonce).expect("BUG: negative nonce"),
+                tx_hash: hash.clone(),
+                at_block: head,
+            };
+            batch.payloads.push(event.payload());
+            batch.hashes.push(hash);
+            batch.raws.push(signed_tx.raw);
+        }
+        let signed = batch.ids.len() as u64;
+        if signed == 0 {
+            tx.rollback().await?;
+            return Ok(0);
+        }
+        // Second round trip: every write and COMMIT. The primary key (chain, from_address, nonce)
+        // is the last word on double allocation; (withdrawal_id, seq) on the streams, whose rows
+        // we hold locked.
+        tx.commit_with(&[(
+            &write,
+            &[
+                &lane.lane,
+                &lane.address,
+                &batch.ids,
+                &batch.nonces,
+                &batch.seqs,
+                &batch.hashes,
+                &batch.raws,
+                &batch.payloads,
+                &max_fee,
+                &priority_fee,
+                &nonce,
+                &batch.intent_to,
+                &batch.intent_value,
+                &batch.intent_data,
+            ],
+        )])
+        .await?;
+        metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
+        Ok(signed)
+    }
+
+    /// Each withdrawal whose projection disagrees with its event stream (what it pays, its state
+    /// or its sequence) goes to `needs_review` with both versions, and the lane pauses: nothing
+    /// more leaves it until a person has looked. A row without a readable stream cannot take an
+    /// event; it is alerted on and its lane pauses all the same.
+    async fn review_tampered(&self, lane: &Lane, tampered: Vec<(i64, String)>) -> Result<(), WorkError> {
+        for (id, reason) in tampered {
+            tracing::error!(withdrawal = id, lane = %lane.lane, %reason, "ALERT: withdrawal projection tampered with");
+            metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
+                continue;
+            }
+            let events: Result<Vec<WithdrawalEvent>, _> = tx
+                .query("select event_type, payload from withdrawal_event where withdrawal_id = $1 order by seq", &[&id])
+                .await?
+                .iter()
+                .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
+                .collect();
+            let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
+            if !w.state.holds_funds() {
+                // Settled, cancelled or refused: its money is where its events put it. Put the
+                // row back as the stream says; there is nothing left for a person to decide.
+                sql::write_projection(&tx, &w).await?;
+                tx.commit().await?;
+            } else if w.state != WithdrawalState::NeedsReview {
+                sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
+                tx.commit().await?;
+            }
+        }
+        sql::pause_lane(
+            &self.pool.get().await?,
+            &lane.lane,
+            "a withdrawal row did not match its requested event",
+            false,
+        )
+        .await?;
+        Ok(())
+    }
+}

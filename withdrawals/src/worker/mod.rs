@@ -1,0 +1,382 @@
+//! The withdrawal worker: one pass per lane of settle, nonce-cursor check, simulate and
+//! allocate-and-sign, cancel replacements, broadcast, and fee bumps.
+//!
+//! Node calls happen before or after database transactions, never inside one. Allocation is one
+//! transaction per lane batch that locks the `hot_wallet` row, assigns consecutive nonces, signs
+//! locally and stores every payload before committing: a crash before commit consumes nothing,
+//! and after commit the stored bytes are what gets sent, however often.
+//!
+//! The seams: [`allocation`] (funds, simulation, the nonce allocator and its SQL), [`broadcast`],
+//! [`replacement`] (bumps and cancels over one helper, under the lane lock) and [`settlement`]
+//! (receipts against intents, the cursor check); the pure parts live in [`crate::payout`].
+
+mod allocation;
+mod broadcast;
+mod replacement;
+mod settlement;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use alloy_primitives::U256;
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::Amount;
+use custodian_store::Pool;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::hot_wallet::{self, Lane};
+use crate::payout::hex;
+use crate::rpc::{EthNode, NodeError};
+use crate::signer::{Signer, SignerError};
+use crate::sql::{self, Movement, StoreError};
+
+pub use crate::payout::{payout_call, TRANSFER_GAS};
+pub use allocation::Pricing;
+
+/// How the worker paces and prices its work.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Withdrawals signed per lane per transaction at most.
+    pub batch_size: i64,
+    /// Blocks an attempt may stay unmined before a sibling with higher fees is signed.
+    pub bump_after_blocks: u64,
+    /// No attempt pays more than this per gas, wei.
+    pub max_fee_per_gas_wei: U256,
+    /// Blocks on top of (and including) the mined block before a withdrawal is confirmed.
+    pub confirmations: u64,
+    /// The EIP-155 chain id this worker signs for. A node answering another is refused before
+    /// anything is signed ([`WorkError::WrongChain`]). The binary requires it whenever hot keys
+    /// are configured; `None` (library tests against a throwaway node) takes the node's word.
+    pub chain_id: Option<u64>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            batch_size: 64,
+            bump_after_blocks: 3,
+            max_fee_per_gas_wei: U256::from(500_000_000_000u64),
+            confirmations: 12,
+            chain_id: None,
+        }
+    }
+}
+
+/// Why a pass stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkError {
+    /// A node call failed; the pass is retried later.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// Signing failed.
+    #[error(transparent)]
+    Sign(#[from] SignerError),
+    /// The lane's key does not belong to its address.
+    #[error("the key configured for lane {lane} signs for {key_address}, but the lane's address is {lane_address}")]
+    WrongKey {
+        /// Lane.
+        lane: String,
+        /// What the key signs for.
+        key_address: String,
+        /// What the database says.
+        lane_address: String,
+    },
+    /// The node is on another chain than the one configured: nothing is signed or settled.
+    #[error("the Ethereum node answers chain id {node}, but the worker is configured for {configured} ([eth] chain_id): nothing was signed")]
+    WrongChain {
+        /// `[eth] chain_id`.
+        configured: u64,
+        /// What the node said.
+        node: u64,
+    },
+    /// The node's chain is not the one the scanners recorded (another genesis or chain id).
+    #[error("the Ethereum node serves {node}, but this database records {recorded}: nothing was signed")]
+    WrongIdentity {
+        /// What the scanner recorded on the first scan.
+        recorded: String,
+        /// What the node says.
+        node: String,
+    },
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(String),
+}
+
+impl WorkError {
+    /// Whether retrying cannot help until an operator changes something (wrong chain, wrong key).
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, WorkError::WrongChain { .. } | WorkError::WrongKey { .. } | WorkError::WrongIdentity { .. })
+    }
+}
+
+impl From<tokio_postgres::Error> for WorkError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for WorkError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+impl From<StoreError> for WorkError {
+    fn from(e: StoreError) -> Self {
+        WorkError::Database(e.to_string())
+    }
+}
+
+/// What one pass did, summed over lanes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PassReport {
+    /// Withdrawals rejected by simulation.
+    pub rejected: u64,
+    /// Withdrawals signed (nonces allocated).
+    pub signed: u64,
+    /// First broadcasts accepted.
+    pub broadcast: u64,
+    /// Stored bytes sent again.
+    pub rebroadcast: u64,
+    /// Sibling attempts with higher fees.
+    pub bumped: u64,
+    /// Cancel replacements signed.
+    pub cancel_attempts: u64,
+    /// Attempts found mined.
+    pub mined: u64,
+    /// Mined attempts whose block was reorged out.
+    pub unmined: u64,
+    /// Settled.
+    pub confirmed: u64,
+    /// Mined with status 0.
+    pub failed_onchain: u64,
+    /// Cancelled by a replacement that mined.
+    pub cancelled: u64,
+    /// Flagged for a person.
+    pub needs_review: u64,
+    /// Mined paying less of a token than asked (or nothing): failed on chain, alerted.
+    pub short_paid: u64,
+    /// Lowest open nonces that could not be bumped within the fee cap (alerted once each).
+    pub fee_cap_reached: u64,
+    /// Lanes that signed nothing because the hot wallet is short, with what it is short of.
+    pub short_lanes: Vec<String>,
+    /// Lanes paused by this pass.
+    pub paused_lanes: Vec<String>,
+    /// Lanes whose part of this pass failed transiently, with the error: the other lanes went on.
+    pub lane_errors: Vec<String>,
+}
+
+/// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].
+const LANE_FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
+/// Longest wait between tries of a failing lane.
+const LANE_MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The worker for every ETH lane it holds a key for.
+pub struct Worker {
+    pool: Pool,
+    node: EthNode,
+    signers: HashMap<String, Arc<dyn Signer>>,
+    config: WorkerConfig,
+    /// Lanes failing transiently: when each may be tried again, and its current backoff.
+    lane_backoff: std::sync::Mutex<HashMap<String, (std::time::Instant, std::time::Duration)>>,
+}
+
+/// States in which a withdrawal has a nonce but no mined attempt yet.
+const UNMINED: [WithdrawalState; 3] =
+    [WithdrawalState::Signed, WithdrawalState::Broadcast, WithdrawalState::CancelRequested];
+
+impl Worker {
+    /// A worker signing for `signers` (lane name → signer).
+    pub fn new(pool: Pool, node: EthNode, signers: HashMap<String, Arc<dyn Signer>>, config: WorkerConfig) -> Worker {
+        Worker { pool, node, signers, config, lane_backoff: std::sync::Mutex::default() }
+    }
+
+    /// Passes every `interval` until `stopped` turns true; a pass is never cut short (the flag is
+    /// looked at between passes). Transient failures are logged and retried; returns the error
+    /// that retrying cannot help (wrong chain, wrong key). Used by `work` and by `serve`.
+    pub async fn run(
+        &self,
+        interval: std::time::Duration,
+        mut stopped: watch::Receiver<bool>,
+    ) -> Result<(), WorkError> {
+        while !*stopped.borrow() {
+            match self.pass().await {
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => tracing::warn!("withdrawal pass failed, retried after the interval: {e}"),
+                Ok(_) => {}
+            }
+            tokio::select! {
+                _ = stopped.changed() => {}
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// One pass over every lane this worker holds a key for.
+    pub async fn pass(&self) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let lanes = hot_wallet::lanes(&self.pool.get().await?).await?;
+        let chain_id = self.chain_id().await?;
+        for lane in lanes {
+            let Some(signer) = self.signers.get(&lane.lane) else { continue };
+            if hex(signer.address()) != lane.address {
+                return Err(WorkError::WrongKey {
+                    lane: lane.lane,
+                    key_address: hex(signer.address()),
+                    lane_address: lane.address,
+                });
+            }
+            // Each lane's part is independent: a lane failing transiently (its node calls, its
+            // rows) is logged, counted and backed off with jitter, and the other lanes go on.
+            if self.backing_off(&lane.lane) {
+                continue;
+            }
+            match self.lane_pass(&lane, signer.as_ref(), chain_id, &mut report).await {
+                Ok(()) => {
+                    self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&lane.lane);
+                }
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => {
+                    let wait = self.lane_failed(&lane.lane);
+                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
+                    tracing::warn!(lane = %lane.lane, retry_in_ms = wait.as_millis() as u64,
+                        "the lane's pass failed; the other lanes go on: {e}");
+                    report.lane_errors.push(format!("{}: {e}", lane.lane));
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// One lane's part of a pass: settle, the cursor check, then (unless paused) allocate,
+    /// cancel, broadcast and bump.
+    async fn lane_pass(
+        &self,
+        lane: &Lane,
+        signer: &dyn Signer,
+        chain_id: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        self.settle(lane, report).await?;
+        self.check_cursor(lane, report).await?;
+        let lane = hot_wallet::lanes(&self.pool.get().await?)
+            .await?
+            .into_iter()
+            .find(|l| l.lane == lane.lane)
+            .expect("BUG: a lane disappeared");
+        if lane.pause_reason.is_some() {
+            return Ok(());
+        }
+        self.allocate(&lane, signer, chain_id, report).await?;
+        self.cancel_attempts(&lane, signer, report).await?;
+        let refused = self.broadcast(&lane, report).await?;
+        self.bump(&lane, signer, &refused, report).await?;
+        Ok(())
+    }
+
+    /// Whether `lane` failed recently and its backoff has not run out.
+    fn backing_off(&self, lane: &str) -> bool {
+        let backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        backoff.get(lane).is_some_and(|(until, _)| std::time::Instant::now() < *until)
+    }
+
+    /// Records a failure of `lane`: its next try waits twice as long as the last (with jitter).
+    fn lane_failed(&self, lane: &str) -> std::time::Duration {
+        use std::hash::{BuildHasher, Hasher};
+        let mut backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = backoff.get(lane).map_or(LANE_FIRST_BACKOFF, |(_, last)| (*last * 2).min(LANE_MAX_BACKOFF));
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let half = u64::try_from(current.as_millis() / 2).unwrap_or(u64::MAX).max(1);
+        let wait = current + std::time::Duration::from_millis(random % half);
+        backoff.insert(lane.to_owned(), (std::time::Instant::now() + wait, current));
+        wait
+    }
+
+    /// The node's chain id, refused unless it is the configured one and the node's chain is the
+    /// one the scanner recorded (chain id and genesis block).
+    async fn chain_id(&self) -> Result<u64, WorkError> {
+        let node = self.node.chain_id().await?;
+        if let Some(configured) = self.config.chain_id.filter(|configured| *configured != node) {
+            tracing::error!(configured, node, "ALERT: the Ethereum node is on another chain; the worker stops");
+            return Err(WorkError::WrongChain { configured, node });
+        }
+        let recorded = self
+            .pool
+            .get()
+            .await?
+            .query_opt("select genesis_hash, chain_id from chain_identity where chain = 'eth'", &[])
+            .await?
+            .map(|row| (row.get::<_, String>(0), row.get::<_, Option<i64>>(1)));
+        if let Some((genesis, chain_id)) = recorded {
+            let theirs = self.node.block_hash(0).await?.map(hex);
+            if theirs.as_deref() != Some(genesis.as_str()) || chain_id != i64::try_from(node).ok() {
+                let recorded = format!("chain id {} with genesis {genesis}", chain_id.unwrap_or_default());
+                let node = format!("chain id {node} with genesis {}", theirs.unwrap_or_else(|| "none".to_owned()));
+                tracing::error!(%recorded, %node, "ALERT: the Ethereum node is on another chain; the worker stops");
+                return Err(WorkError::WrongIdentity { recorded, node });
+            }
+        }
+        Ok(node)
+    }
+
+    /// Only the allocate-and-sign step for one lane (its simulation included): what a process
+    /// that dies right after committing would have done. Operators use `pass`.
+    pub async fn allocate_lane(&self, lane: &Lane) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let chain_id = self.chain_id().await?;
+        if let Some(signer) = self.signers.get(&lane.lane) {
+            self.allocate(lane, signer.as_ref(), chain_id, &mut report).await?;
+        }
+        Ok(report)
+    }
+
+    /// Appends `event` to `id` under its row lock, with the transfers it implies, if the locked
+    /// withdrawal still passes `still` (another worker may have moved it since it was read: then
+    /// nothing is written and `false` is returned).
+    async fn record(
+        &self,
+        id: i64,
+        still: impl Fn(&Withdrawal) -> bool,
+        event: WithdrawalEvent,
+        movements: &[(Movement, Amount)],
+    ) -> Result<bool, WorkError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let mut w = sql::lock(&tx, id).await?.expect("BUG: recording on a missing withdrawal");
+        if !still(&w) {
+            return Ok(false);
+        }
+        let state = event.event_type();
+        sql::append(&tx, &mut w, event).await?;
+        for (movement, fee) in movements {
+            sql::post(&tx, &w, *movement, *fee).await?;
+        }
+        tx.commit().await?;
+        metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
+        Ok(true)
+    }
+
+    async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
+        self.pause_lane(lane, reason, false, report).await
+    }
+
+    /// Pauses a lane whose key was used outside the service: it resumes only after a resync.
+    async fn pause_for_resync(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
+        self.pause_lane(lane, &format!("{reason}; resync the lane before resuming it"), true, report).await
+    }
+
+    async fn pause_lane(
+        &self,
+        lane: &Lane,
+        reason: &str,
+        needs_resync: bool,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        if sql::pause_lane(&self.pool.get().await?, &lane.lane, reason, needs_resync).await? {
+            report.paused_lanes.push(lane.lane.clone());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,235 @@
+//! Settlement: which attempt mined (keyed on the lane's mined nonce count), what the mined bytes
+//! did compared with the intents, confirmation depth, receipts of tokens, reorgs; and the cursor
+//! check against the chain's pending nonce.
+
+use alloy_primitives::Address;
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::Amount;
+
+use super::{PassReport, WorkError, Worker, UNMINED};
+use crate::hot_wallet::Lane;
+use crate::payout::{self, cancel_call, classify, hex, payout_call, token_of, token_paid};
+use crate::rpc::Receipt;
+use crate::sql::{self, Intent, Movement};
+
+impl Worker {
+    /// Which attempt mined, once the address's mined nonce count passes a withdrawal's nonce;
+    /// then confirmation depth, what the mined bytes did, and reorgs of mined attempts.
+    pub(super) async fn settle(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
+        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        // The mined count is read at one block, whose hash is read again before concluding that
+        // a nonce was consumed by something we did not sign: a reorg (or a node behind a load
+        // balancer answering from another block) between the count and the receipts is not
+        // evidence, and waits for the next pass.
+        let head = self.node.block_number().await?;
+        let head_hash = self.node.block_hash(head).await?;
+        let mined_count = self.node.nonce_at(address, head).await?;
+        let client = self.pool.get().await?;
+        let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
+        for id in waiting {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else { continue };
+            let mut found = None;
+            for attempt in sql::attempts(&client, id).await? {
+                if let Some(receipt) = self.node.receipt(attempt.tx_hash.parse().expect("BUG: stored hash")).await? {
+                    found = Some((attempt, receipt));
+                    break;
+                }
+            }
+            match found {
+                Some((attempt, receipt)) => {
+                    let event = WithdrawalEvent::Mined {
+                        tx_hash: attempt.tx_hash,
+                        block_hash: hex(receipt.block_hash),
+                        block_number: receipt.block_number,
+                    };
+                    if self.record(id, |w| UNMINED.contains(&w.state), event, &[]).await? {
+                        report.mined += 1;
+                    }
+                }
+                None if self.node.block_hash(head).await? != head_hash => {
+                    tracing::info!(withdrawal = id, "the chain moved while settling; looked at again next pass");
+                }
+                None => {
+                    let reason = format!(
+                        "nonce {nonce} of {} was used by a transaction this service did not sign",
+                        lane.address
+                    );
+                    metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+                        .increment(1);
+                    tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
+                    if self
+                        .record(
+                            id,
+                            |w| UNMINED.contains(&w.state),
+                            WithdrawalEvent::NeedsReview { reason: reason.clone() },
+                            &[],
+                        )
+                        .await?
+                    {
+                        report.needs_review += 1;
+                        self.pause_for_resync(lane, &format!("needs review: {reason}"), report).await?;
+                    }
+                }
+            }
+        }
+        for id in sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await? {
+            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            let tx_hash = w.tx_hash.clone().expect("BUG: mined without a hash");
+            let mined_in = w.mined_block_hash.clone().expect("BUG: mined without a block");
+            let expected = mined_in.clone();
+            let still_mined_there = move |w: &Withdrawal| {
+                w.state == WithdrawalState::Mined && w.mined_block_hash.as_deref() == Some(expected.as_str())
+            };
+            let receipt = self.node.receipt(tx_hash.parse().expect("BUG: stored hash")).await?;
+            let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
+                tracing::warn!(withdrawal = id, %tx_hash, block = %mined_in, "mined block reorged out; the mined bytes go out again");
+                if self
+                    .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in }, &[])
+                    .await?
+                {
+                    report.unmined += 1;
+                }
+                continue;
+            };
+            if head + 1 < receipt.block_number + self.config.confirmations {
+                continue;
+            }
+            let attempts = sql::attempts(&client, id).await?;
+            let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
+            let (event, movements) = outcome(&w, address, mined, &receipt, &mined_in);
+            let counter = match &event {
+                WithdrawalEvent::Cancelled { .. } => &mut report.cancelled,
+                WithdrawalEvent::Confirmed { .. } => &mut report.confirmed,
+                WithdrawalEvent::FailedOnchain { .. } => &mut report.failed_onchain,
+                _ => &mut report.needs_review,
+            };
+            let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
+            let review = matches!(&event, WithdrawalEvent::NeedsReview { .. });
+            if self.record(id, &still_mined_there, event, &movements).await? {
+                *counter += 1;
+                if short_paid {
+                    report.short_paid += 1;
+                }
+                if review {
+                    self.pause(lane, "a mined attempt pays something no intent of its withdrawal asked for", report)
+                        .await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pending nonce above our cursor means the key signed something we did not allocate; one
+    /// below it with nothing of ours in flight means transactions we recorded are not on chain.
+    pub(super) async fn check_cursor(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
+        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let pending = self.node.nonce(address, true).await?;
+        // Read our cursor after the node: every nonce the node has seen from us was committed
+        // before it was sent, so a cursor read now covers it (a cursor read earlier, with other
+        // workers allocating meanwhile, would not).
+        let row = self
+            .pool
+            .get()
+            .await?
+            .query_one(
+                "select next_nonce,
+                        exists (select 1 from withdrawal
+                                 where chain = 'eth' and lane = $1
+                                   and state in ('signed', 'broadcast', 'cancel_requested', 'mined'))
+                   from hot_wallet where chain = 'eth' and lane = $1",
+                &[&lane.lane],
+            )
+            .await?;
+        let (next, in_flight): (i64, bool) = (row.get(0), row.get(1));
+        let next = u64::try_from(next).expect("BUG: negative nonce");
+        if pending > next {
+            let reason =
+                format!("chain nonce {pending} is above our next nonce {next}: the key was used outside the service");
+            metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+                .increment(1);
+            self.pause_for_resync(lane, &reason, report).await?;
+        } else if pending < next && !in_flight {
+            metrics::counter!("custodian_nonce_gap_alerts_total", "lane" => lane.lane.clone()).increment(1);
+            tracing::error!(
+                lane = %lane.lane, pending, next,
+                "ALERT: the chain's nonce is below our next nonce with nothing of ours in flight: transactions we \
+                 recorded as settled are not on this chain (a reorg deeper than the confirmation depth, or another \
+                 node); see `custodian withdrawals list --state needs_review` and `hot-wallet resync`"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What a mined attempt past the confirmation depth comes to, decided by decoding its bytes
+/// against the withdrawal's intents (never by a label): a cancel mined → cancelled; the payout
+/// mined with status 1 and, for a token, its `Transfer` of the whole amount from our hot wallet to
+/// the destination in the receipt → confirmed; status 0 or a token that paid less (or nothing) →
+/// failed on chain, the fee charged and the hold released; bytes matching neither → needs review.
+fn outcome(
+    w: &Withdrawal,
+    hot_wallet: Address,
+    mined: &sql::Attempt,
+    receipt: &Receipt,
+    block_hash: &str,
+) -> (WithdrawalEvent, Vec<(Movement, Amount)>) {
+    let tx_hash = mined.tx_hash.clone();
+    let tx = payout::decode(&mined.raw);
+    match classify(&tx, &payout_call(w), &cancel_call(hot_wallet)) {
+        Some(intent) if intent != mined.intent => {
+            // A label recorded before intents were (a bump of a cancel was once called a bump):
+            // the bytes decide, and the disagreement is logged.
+            tracing::warn!(withdrawal = w.id, %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
+                "the mined attempt's recorded intent disagrees with its bytes; settled by the bytes");
+            settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt)
+        }
+        Some(intent) => settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt),
+        None => {
+            let reason = format!(
+                "attempt {tx_hash} mined, but its bytes pay neither the withdrawal ({}) nor a cancel",
+                w.destination
+            );
+            tracing::error!(withdrawal = w.id, "ALERT: {reason}");
+            (WithdrawalEvent::NeedsReview { reason }, Vec::new())
+        }
+    }
+}
+
+/// The outcome of `intent` mined with `receipt`.
+fn settle_as(
+    w: &Withdrawal,
+    intent: Intent,
+    hot_wallet: Address,
+    tx_hash: String,
+    block_hash: &str,
+    receipt: &Receipt,
+) -> (WithdrawalEvent, Vec<(Movement, Amount)>) {
+    let fee = Amount::from_units(receipt.fee);
+    let release = vec![(Movement::Fee, fee), (Movement::Release, Amount::ZERO)];
+    let block_hash = block_hash.to_owned();
+    if intent == Intent::Cancel {
+        return (WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee, by: None }, release);
+    }
+    if !receipt.success {
+        return (WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee }, release);
+    }
+    if let Some(token) = token_of(&w.asset) {
+        let destination: Address = w.destination.parse().expect("BUG: stored destination is not an address");
+        let paid = token_paid(&receipt.logs, token, hot_wallet, destination);
+        if paid != w.amount.units() {
+            metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset.clone()).increment(1);
+            tracing::error!(
+                withdrawal = w.id, %tx_hash, asset = %w.asset, asked = %w.amount.units(), paid = %paid,
+                "ALERT: the token's transfer succeeded but its Transfer events pay the destination {} of {}: \
+                 failed on chain, the hold released; reconcile the hot wallet's token balance",
+                paid, w.amount.units()
+            );
+            return (WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee }, release);
+        }
+    }
+    (
+        WithdrawalEvent::Confirmed { tx_hash, block_hash, fee },
+        vec![(Movement::Settle, Amount::ZERO), (Movement::Fee, fee)],
+    )
+}
