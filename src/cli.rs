@@ -293,7 +293,13 @@ pub enum HotWalletCommand {
         #[arg(long)]
         lane: String,
     },
-    /// List lanes.
+    /// Retire a lane: new withdrawals no longer hash to it, its in-flight ones finish.
+    Retire {
+        /// Lane.
+        #[arg(long)]
+        lane: String,
+    },
+    /// List lanes: address, nonce cursor, pause, shortage, retirement.
     List,
 }
 
@@ -320,6 +326,20 @@ pub enum WithdrawalsCommand {
         /// Rolling 24-hour total per account in whole units, or "none".
         #[arg(long)]
         daily: Option<String>,
+    },
+    /// Resolve a withdrawal that needs review, with evidence checked on chain: --paid-by the
+    /// transaction that paid it (sent by its hot wallet at its nonce, paying its destination), or
+    /// --not-paid when its nonce was consumed by something else (releases the hold).
+    Resolve {
+        /// Withdrawal id.
+        #[arg(long)]
+        id: i64,
+        /// The transaction that paid it.
+        #[arg(long, conflicts_with = "not_paid", required_unless_present = "not_paid")]
+        paid_by: Option<String>,
+        /// Nothing paid it.
+        #[arg(long)]
+        not_paid: bool,
     },
 }
 

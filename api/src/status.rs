@@ -95,6 +95,8 @@ pub(crate) fn action(error: ActionError) -> Status {
         state @ ActionError::WrongState { .. } => Status::failed_precondition(state.to_string()),
         ActionError::Anonymous => Status::unauthenticated("a decision needs an authenticated principal"),
         own @ ActionError::SelfApproval { .. } => Status::permission_denied(own.to_string()),
+        evidence @ ActionError::Evidence { .. } => Status::failed_precondition(evidence.to_string()),
+        ActionError::Node(message) => Status::unavailable(format!("the Ethereum node failed: {message}")),
         // The withdrawals crate keeps only the message: retrying is the safe answer, and the
         // action is idempotent.
         ActionError::Database(message) => {
@@ -136,6 +138,7 @@ pub(crate) fn hot_wallet(error: HotWalletError) -> Status {
         HotWalletError::Node(e) => Status::unavailable(format!("the Ethereum node failed: {e}")),
         taken @ HotWalletError::Taken { .. } => Status::already_exists(taken.to_string()),
         resync @ HotWalletError::NeedsResync(_) => Status::failed_precondition(resync.to_string()),
+        last @ HotWalletError::LastOpenLane(_) => Status::failed_precondition(last.to_string()),
     }
 }
 

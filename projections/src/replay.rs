@@ -132,15 +132,21 @@ select d.compensating_transfer_id, r.deposit_key, 'an approval without its rever
 order by 1";
 
 /// What each withdrawal's events say the ledger must hold: the hold at request; its release when
-/// rejected, cancelled or failed on chain; the settlement when confirmed; the real fee when paid.
+/// rejected, cancelled, failed on chain or resolved as not paid; the settlement when confirmed or
+/// resolved as paid; the real fee when paid.
 const EXPECTED_MOVEMENTS: &str = "
 with req as (
     select withdrawal_id as id, (payload ->> 'account_id')::bigint as account_id, payload ->> 'asset' as asset,
            (payload ->> 'amount')::numeric(78,0) as amount
       from withdrawal_event where event_type = 'requested'
 ), ends as (
-    select withdrawal_id as id, event_type, coalesce((payload ->> 'fee')::numeric(78,0), 0) as fee
-      from withdrawal_event where event_type in ('rejected', 'cancelled', 'failed_onchain', 'confirmed')
+    -- an operator's resolution ends like the outcome it names: paid settles, not paid releases
+    select withdrawal_id as id,
+           case event_type when 'resolved' then case when (payload ->> 'paid')::boolean then 'confirmed'
+                                                     else 'cancelled' end
+                           else event_type end as event_type,
+           coalesce((payload ->> 'fee')::numeric(78,0), 0) as fee
+      from withdrawal_event where event_type in ('rejected', 'cancelled', 'failed_onchain', 'confirmed', 'resolved')
 ), movement as (
     select 'withdrawal:' || r.id || ':hold' as key, 'user:' || r.account_id as debit, 'withdrawal_holds' as credit,
            r.asset, r.amount

@@ -58,6 +58,7 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         }
         Command::HotWallet(HotWalletCommand::Resume { lane }) => withdraw::pause(&settings, &lane, None).await,
         Command::HotWallet(HotWalletCommand::Resync { lane }) => withdraw::resync(&settings, &lane).await,
+        Command::HotWallet(HotWalletCommand::Retire { lane }) => withdraw::retire(&settings, &lane).await,
         Command::HotWallet(HotWalletCommand::List) => withdraw::lanes(&settings).await,
         Command::Withdraw { account, asset, to, amount, external_id } => {
             withdraw::request(&settings, &account, &asset, &to, &amount, &external_id).await
@@ -68,6 +69,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Withdrawals {
             action: Some(WithdrawalsCommand::Limit { asset, amount, approvals, daily }), ..
         } => withdraw::limit(&settings, &asset, amount.as_deref(), approvals, daily.as_deref()).await,
+        Command::Withdrawals { action: Some(WithdrawalsCommand::Resolve { id, paid_by, not_paid: _ }), .. } => {
+            withdraw::resolve(&settings, id, paid_by.as_deref()).await
+        }
         Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
         Command::Cancel { id } => withdraw::cancel(&settings, id).await,
         Command::Work { once, worker } => {

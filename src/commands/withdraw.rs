@@ -114,6 +114,45 @@ pub async fn resync(settings: &Settings, lane: &str) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
+pub async fn retire(settings: &Settings, lane: &str) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "hot-wallet retire").await?;
+    let now = hot_wallet::retire(&mut client, lane, &by).await.map_err(hot_wallet_error)?;
+    if settings.json {
+        super::print_json(&json!({ "lane": lane, "retired": true, "retired_now": now }))?;
+    } else if now {
+        println!("lane {lane} retired: new withdrawals go to the other lanes; its in-flight ones finish");
+    } else {
+        println!("lane {lane} was already retired; nothing changed");
+    }
+    Ok(Exit::Success)
+}
+
+pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>) -> Result<Exit> {
+    let node = node(settings)?;
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "withdrawals resolve").await?;
+    let resolution = match paid_by {
+        Some(hash) => actions::Resolution::PaidBy(hash.to_owned()),
+        None => actions::Resolution::NotPaid,
+    };
+    let done = actions::resolve(&mut client, &node, id, &resolution, &by).await.map_err(action_error)?;
+    if settings.json {
+        super::print_json(&done)?;
+    } else if done.paid {
+        println!(
+            "withdrawal {id} resolved by {by} as paid by {}: settled, fee {} wei",
+            paid_by.unwrap_or(""),
+            done.fee
+        );
+    } else {
+        println!("withdrawal {id} resolved by {by} as not paid: the hold is released");
+    }
+    Ok(Exit::Success)
+}
+
 pub async fn lanes(settings: &Settings) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let lanes = hot_wallet::lanes(&pool.get().await?).await?;
@@ -121,13 +160,14 @@ pub async fn lanes(settings: &Settings) -> Result<Exit> {
         return super::print_json(&lanes).map(|()| Exit::Success);
     }
     for l in &lanes {
-        println!(
-            "{:<10} {} next nonce {:<6} {}",
-            l.lane,
-            l.address,
-            l.next_nonce,
-            l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"))
-        );
+        let mut status = l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"));
+        if let Some(short) = &l.shortage {
+            status.push_str(&format!("; SHORT of {short}"));
+        }
+        if l.retired {
+            status.push_str("; retired (takes no new withdrawals)");
+        }
+        println!("{:<10} {} next nonce {:<6} {status}", l.lane, l.address, l.next_nonce);
     }
     Ok(Exit::Success)
 }
@@ -288,7 +328,14 @@ pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> 
         let attempts: Vec<_> = sql::attempts(&client, id)
             .await?
             .into_iter()
-            .map(|a| json!({ "tx_hash": a.tx_hash, "kind": a.kind, "max_fee_per_gas_wei": a.max_fee.to_string() }))
+            .map(|a| {
+                json!({
+                    "tx_hash": a.tx_hash,
+                    "kind": a.kind,
+                    "intent": a.intent.as_str(),
+                    "max_fee_per_gas_wei": a.max_fee.to_string(),
+                })
+            })
             .collect();
         out.push(json!({ "withdrawal": w, "attempts": attempts }));
     }
@@ -301,11 +348,18 @@ pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> 
     for entry in &out {
         let w = &entry["withdrawal"];
         println!(
-            "#{} {} {} {} -> {} lane {} nonce {}",
-            w["id"], w["state"], w["amount"], w["asset"], w["destination"], w["lane"], w["nonce"]
+            "#{} {}{} {} {} -> {} lane {} nonce {}",
+            w["id"],
+            w["state"],
+            if w["stuck_at_cap"] == true { " (STUCK AT THE FEE CAP)" } else { "" },
+            w["amount"],
+            w["asset"],
+            w["destination"],
+            w["lane"],
+            w["nonce"]
         );
         for a in entry["attempts"].as_array().into_iter().flatten() {
-            println!("    {} {}", a["kind"], a["tx_hash"]);
+            println!("    {} {} {}", a["kind"], a["intent"], a["tx_hash"]);
         }
     }
     Ok(Exit::Success)

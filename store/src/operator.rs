@@ -26,6 +26,10 @@ pub enum Action {
     LaneResynced,
     /// An ERC-20 contract was registered.
     AssetRegistered,
+    /// A lane was retired: no new withdrawals hash to it.
+    LaneRetired,
+    /// A withdrawal in `needs_review` was resolved with evidence.
+    WithdrawalResolved,
 }
 
 impl Action {
@@ -39,6 +43,8 @@ impl Action {
             Action::LaneAdded => "lane_added",
             Action::LanePaused => "lane_paused",
             Action::LaneResumed => "lane_resumed",
+            Action::LaneRetired => "lane_retired",
+            Action::WithdrawalResolved => "withdrawal_resolved",
             Action::LaneResynced => "lane_resynced",
             Action::AssetRegistered => "asset_registered",
         }

@@ -441,3 +441,133 @@ async fn reaching_the_fee_cap_is_alerted_once_and_shown_as_stuck_at_cap() {
     assert!(!stuck);
     h.verify().await;
 }
+
+/// The CLI against this harness's database and node, as the operator.
+async fn operator_cli(h: &Harness) -> impl Fn(Vec<String>) -> futures::future::BoxFuture<'static, crate::harness::Run> {
+    let env = vec![
+        ("CUSTODIAN_DATABASE_URL".to_owned(), h.db.url.expose().to_owned()),
+        ("CUSTODIAN_TOKEN".to_owned(), crate::harness::operator(&h.db).await),
+        ("CUSTODIAN_ETH_RPC_URL".to_owned(), h.anvil.url.clone()),
+    ];
+    move |args: Vec<String>| {
+        let env = env.clone();
+        Box::pin(async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            crate::harness::custodian_env_async(env, &args).await
+        })
+    }
+}
+
+fn args(line: &str) -> Vec<String> {
+    line.split_whitespace().map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 100 * ETHER).await;
+    let (lane, ids) = on_one_lane(&h, alice, 2).await;
+    let worker = h.worker(config(1));
+    let lane =
+        hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap().into_iter().find(|l| l.lane == lane).unwrap();
+    assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 2);
+    let (w1, w2) = (
+        sql::load(&h.db.pool.get().await.unwrap(), ids[0]).await.unwrap().unwrap(),
+        sql::load(&h.db.pool.get().await.unwrap(), ids[1]).await.unwrap().unwrap(),
+    );
+    // Someone with the lane's key consumes both nonces first: the first pays w1's destination
+    // what w1 asks, the second pays someone else.
+    let key = h.signers[&lane.lane].clone();
+    let outside = |nonce: u64, to: &str, value: U256| {
+        let tx = alloy::consensus::TxEip1559 {
+            chain_id: 31337,
+            nonce,
+            gas_limit: 21_000,
+            max_fee_per_gas: 1_000_000_000_000,
+            max_priority_fee_per_gas: 500_000_000_000,
+            to: alloy_primitives::TxKind::Call(to.parse().unwrap()),
+            value,
+            ..Default::default()
+        };
+        key.sign(tx).unwrap()
+    };
+    let paid = outside(w1.nonce.unwrap(), &w1.destination, U256::from(ETHER));
+    let other = outside(w2.nonce.unwrap(), FUNDER, U256::from(1u8));
+    for signed in [&paid, &other] {
+        h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
+    }
+    let funder_tx = h
+        .rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": w1.destination, "value": format!("{:#x}", ETHER)}]))
+        .await;
+    h.mine(1).await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.needs_review, 2, "{report:?}");
+    let (paid, other) = (format!("{:#x}", paid.hash), format!("{:#x}", other.hash));
+    let funder_tx = funder_tx.as_str().unwrap().to_owned();
+
+    let cli = operator_cli(&h).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {funder_tx}", w1.id))).await;
+    assert_eq!(refused.code, 2, "a transaction that is not ours: {}", refused.stderr);
+    assert!(refused.stderr.contains("not by the hot wallet"), "{}", refused.stderr);
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w1.id))).await;
+    assert_eq!(refused.code, 2, "ours, at another nonce: {}", refused.stderr);
+    assert!(refused.stderr.contains("used nonce"), "{}", refused.stderr);
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w2.id))).await;
+    assert_eq!(refused.code, 2, "ours, at its nonce, paying someone else: {}", refused.stderr);
+    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w1.id))).await;
+    assert_eq!(refused.code, 2, "the transaction that consumed w1's nonce paid it: {}", refused.stderr);
+    assert!(refused.stderr.contains(&format!("--paid-by {paid}")), "{}", refused.stderr);
+    assert_eq!(h.state(w1.id).await, WithdrawalState::NeedsReview, "{}", refused.stderr);
+    assert_eq!(
+        h.count("select count(*) from withdrawal_event where event_type = 'resolved'").await,
+        0,
+        "nothing written"
+    );
+
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --json", w1.id))).await;
+    assert_eq!(resolved.code, 0, "{}", resolved.stderr);
+    assert_eq!(resolved.json()["paid"], true);
+    assert_eq!(h.state(w1.id).await, WithdrawalState::Confirmed);
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --not-paid --json", w2.id))).await;
+    assert_eq!(resolved.code, 0, "{}", resolved.stderr);
+    assert_eq!(h.state(w2.id).await, WithdrawalState::Cancelled);
+    let again = cli(args(&format!("withdrawals resolve --id {} --not-paid", w2.id))).await;
+    assert_eq!(again.code, 2, "resolved once: {}", again.stderr);
+    assert_eq!(h.available(alice).await, (99 * ETHER).to_string(), "w1 paid, w2's hold released");
+    assert_eq!(
+        h.count("select count(*) from operator_action where action = 'withdrawal_resolved' and principal = 'operator'")
+            .await,
+        2
+    );
+    h.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_lane_takes_no_new_withdrawals_and_finishes_what_it_holds() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 100 * ETHER).await;
+    // One withdrawal waiting on lane a when it is retired.
+    let mut n = 0;
+    let held = loop {
+        n += 1;
+        let w = h.request(alice, &format!("ret-{n}"), &destination(200 + n), ETHER).await.unwrap().withdrawal;
+        if w.lane == "a" {
+            break w.id;
+        }
+    };
+    let cli = operator_cli(&h).await;
+    let retired = cli(args("hot-wallet retire --lane a --json")).await;
+    assert_eq!(retired.code, 0, "{}", retired.stderr);
+    let last = cli(args("hot-wallet retire --lane b")).await;
+    assert_eq!(last.code, 2, "the last open lane stays: {}", last.stderr);
+    assert!(last.stderr.contains("last lane open"), "{}", last.stderr);
+    for i in 0..8 {
+        let w = h.request(alice, &format!("after-{i}"), &destination(300 + i), ETHER).await.unwrap().withdrawal;
+        assert_eq!(w.lane, "b", "new withdrawals skip the retired lane");
+    }
+    let listed = cli(args("hot-wallet list --json")).await;
+    assert_eq!(listed.json()[0]["retired"], true);
+    let worker = h.worker(config(1));
+    work_until_state(&h, &worker, false, held, WithdrawalState::Confirmed).await;
+    h.verify().await;
+}

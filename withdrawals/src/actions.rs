@@ -1,8 +1,11 @@
-//! What operators and clients do to a withdrawal after requesting it: approve and cancel.
+//! What operators and clients do to a withdrawal after requesting it: approve, cancel, and
+//! resolve one that needs review.
 
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
 
+use crate::payout::{hex, token_of, token_paid};
+use crate::rpc::EthNode;
 use crate::sql::{self, Movement, StoreError};
 
 /// Why an action was refused. Nothing was written.
@@ -33,6 +36,17 @@ pub enum ActionError {
         by: String,
     },
     /// The database failed.
+    /// The evidence offered for a resolution does not hold on chain.
+    #[error("withdrawal {id} not resolved: {reason}")]
+    Evidence {
+        /// Withdrawal.
+        id: i64,
+        /// What did not hold.
+        reason: String,
+    },
+    /// The node could not be asked for the evidence.
+    #[error("asking the node for the evidence: {0}")]
+    Node(String),
     #[error("database error: {0}")]
     Database(String),
 }
@@ -118,4 +132,165 @@ pub async fn cancel(
     }
     tx.commit().await?;
     Ok((w, true))
+}
+
+/// How an operator says a `needs_review` withdrawal ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// Paid by this transaction (`0x…` hash): checked on chain before anything is written.
+    PaidBy(String),
+    /// Not paid: the nonce was consumed by something else and none of our attempts mined.
+    NotPaid,
+}
+
+/// What a resolution recorded.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Resolved {
+    /// The withdrawal after the resolution.
+    pub withdrawal: Withdrawal,
+    /// Whether the destination was paid.
+    pub paid: bool,
+    /// The fee charged, wei.
+    pub fee: Amount,
+}
+
+/// Resolves a `needs_review` withdrawal on `by`'s authority with evidence checked on chain first
+/// (outside any transaction). `PaidBy(hash)` must be mined with status 1, sent by the
+/// withdrawal's hot wallet at its nonce, and pay the destination the amount (ether: the
+/// transaction's value to it; a token: its `Transfer` events); then the hold settles. `NotPaid`
+/// finds the transaction that consumed the nonce (bisecting the nonce count, then reading that
+/// block), which must be none of the withdrawal's attempts and must not pay the destination;
+/// then the hold is released. Either way the consuming transaction's fee is charged. Recorded
+/// as the `resolved` event and an operator action in one transaction.
+pub async fn resolve(
+    client: &mut deadpool_postgres::Object,
+    node: &EthNode,
+    id: i64,
+    resolution: &Resolution,
+    by: &str,
+) -> Result<Resolved, ActionError> {
+    let by = by.trim();
+    if by.is_empty() {
+        return Err(ActionError::Anonymous);
+    }
+    let w = sql::load(&*client, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState {
+            id,
+            state: w.state.as_str(),
+            message: "only a withdrawal that needs review can be resolved",
+        });
+    }
+    let refuse = |reason: String| ActionError::Evidence { id, reason };
+    let node_error = |e: crate::rpc::NodeError| ActionError::Node(e.to_string());
+    let (Some(from), Some(nonce)) = (w.from_address.clone(), w.nonce) else {
+        return Err(refuse("it was never signed: nothing on chain can have paid it".into()));
+    };
+    let hot: alloy_primitives::Address = from.parse().expect("BUG: stored hot wallet is not an address");
+    let event = match resolution {
+        Resolution::PaidBy(hash) => {
+            let parsed: alloy_primitives::B256 =
+                hash.parse().map_err(|_| refuse(format!("{hash:?} is not a transaction hash")))?;
+            let tx = node.transaction(parsed).await.map_err(node_error)?;
+            let tx = tx.ok_or_else(|| refuse(format!("the node does not know transaction {hash}")))?;
+            let block_hash = tx.block_hash.ok_or_else(|| refuse(format!("transaction {hash} is not mined")))?;
+            if tx.from != hot {
+                return Err(refuse(format!(
+                    "transaction {hash} was sent by {}, not by the hot wallet {from}",
+                    hex(tx.from)
+                )));
+            }
+            if tx.nonce.to::<u64>() != nonce {
+                return Err(refuse(format!(
+                    "transaction {hash} used nonce {}, the withdrawal nonce {nonce}",
+                    tx.nonce.to::<u64>()
+                )));
+            }
+            let receipt = node.receipt(parsed).await.map_err(node_error)?;
+            let receipt = receipt.ok_or_else(|| refuse(format!("transaction {hash} has no receipt")))?;
+            if !receipt.success {
+                return Err(refuse(format!("transaction {hash} failed on chain (status 0): it paid nothing")));
+            }
+            let paid = paid_by(&w, hot, &tx, &receipt);
+            if paid != w.amount.units() {
+                return Err(refuse(format!(
+                    "transaction {hash} pays {} {paid} units of {}, the withdrawal asks for {}",
+                    w.destination, w.asset, w.amount
+                )));
+            }
+            let fee = Amount::from_units(receipt.fee);
+            WithdrawalEvent::Resolved {
+                paid: true,
+                tx_hash: Some(hex(parsed)),
+                block_hash: Some(hex(block_hash)),
+                fee,
+                by: by.to_owned(),
+            }
+        }
+        Resolution::NotPaid => {
+            // The transaction that consumed the nonce, found on chain: it must be none of ours
+            // and must not pay the destination (then it is --paid-by).
+            let consumer = node.consumer_of(hot, nonce).await.map_err(node_error)?.ok_or_else(|| {
+                refuse(format!(
+                    "nonce {nonce} of {from} is not consumed on chain yet: the withdrawal may still be paid; wait, or \
+                     cancel it"
+                ))
+            })?;
+            let consumer_hash = hex(consumer.hash);
+            if sql::attempts(&*client, id).await?.iter().any(|a| a.tx_hash == consumer_hash) {
+                return Err(refuse(format!(
+                    "its own attempt {consumer_hash} consumed the nonce: resolve it with --paid-by {consumer_hash} if it paid"
+                )));
+            }
+            let receipt = node.receipt(consumer.hash).await.map_err(node_error)?;
+            let receipt = receipt.ok_or_else(|| refuse(format!("transaction {consumer_hash} has no receipt yet")))?;
+            if receipt.success && paid_by(&w, hot, &consumer, &receipt) == w.amount.units() {
+                return Err(refuse(format!(
+                    "transaction {consumer_hash} consumed nonce {nonce} and pays the destination what the withdrawal \
+                     asks: resolve it with --paid-by {consumer_hash}"
+                )));
+            }
+            WithdrawalEvent::Resolved {
+                paid: false,
+                tx_hash: Some(consumer_hash),
+                block_hash: consumer.block_hash.map(hex),
+                fee: Amount::from_units(receipt.fee),
+                by: by.to_owned(),
+            }
+        }
+    };
+    let tx = client.transaction().await?;
+    let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState { id, state: w.state.as_str(), message: "it was resolved meanwhile" });
+    }
+    let (paid, fee) = match &event {
+        WithdrawalEvent::Resolved { paid, fee, .. } => (*paid, *fee),
+        _ => unreachable!("BUG: a resolution is a resolved event"),
+    };
+    let details = serde_json::json!({"withdrawal_id": id, "event": event.payload()});
+    sql::append(&tx, &mut w, event).await?;
+    // The fee of whatever consumed the nonce left our hot wallet either way.
+    sql::post(&tx, &w, if paid { Movement::Settle } else { Movement::Release }, Amount::ZERO).await?;
+    sql::post(&tx, &w, Movement::Fee, fee).await?;
+    custodian_store::operator::record(&tx, custodian_store::operator::Action::WithdrawalResolved, by, &details).await?;
+    tx.commit().await?;
+    Ok(Resolved { withdrawal: w, paid, fee })
+}
+
+/// What `tx` (mined with `receipt`) paid `w`'s destination from the hot wallet: ether by its
+/// value, a token by its `Transfer` events.
+fn paid_by(
+    w: &Withdrawal,
+    hot: alloy_primitives::Address,
+    tx: &crate::rpc::ChainTx,
+    receipt: &crate::rpc::Receipt,
+) -> alloy_primitives::U256 {
+    let destination: alloy_primitives::Address =
+        w.destination.parse().expect("BUG: stored destination is not an address");
+    match token_of(&w.asset) {
+        None if tx.to == Some(destination) => tx.value,
+        None => alloy_primitives::U256::ZERO,
+        Some(token) => token_paid(&receipt.logs, token, hot, destination),
+    }
 }

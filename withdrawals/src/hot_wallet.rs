@@ -17,6 +17,10 @@ pub struct Lane {
     pub next_nonce: i64,
     /// Why it is paused, if it is.
     pub pause_reason: Option<String>,
+    /// What the hot wallet is short of, if anything: its withdrawals wait until it is topped up.
+    pub shortage: Option<String>,
+    /// Retired: new withdrawals no longer hash to it; its in-flight ones finish.
+    pub retired: bool,
 }
 
 /// Why a hot-wallet change was refused.
@@ -36,6 +40,9 @@ pub enum HotWalletError {
     /// The lane's key was used outside the service: its nonces must be re-synced first.
     #[error("lane {0:?} was paused because its key was used outside the service: run `custodian hot-wallet resync --lane {0}` before resuming it")]
     NeedsResync(String),
+    /// Retiring the lane would leave new withdrawals nowhere to go.
+    #[error("lane {0:?} is the last lane open to new withdrawals: add another before retiring it")]
+    LastOpenLane(String),
     /// The node could not be asked for the pending nonce.
     #[error(transparent)]
     Node(#[from] NodeError),
@@ -47,11 +54,22 @@ pub enum HotWalletError {
 /// Every ETH lane, by name.
 pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_postgres::Error> {
     let rows = client
-        .query("select lane, address, next_nonce, pause_reason from hot_wallet where chain = 'eth' order by lane", &[])
+        .query(
+            "select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
+               from hot_wallet where chain = 'eth' order by lane",
+            &[],
+        )
         .await?;
     Ok(rows
         .iter()
-        .map(|r| Lane { lane: r.get(0), address: r.get(1), next_nonce: r.get(2), pause_reason: r.get(3) })
+        .map(|r| Lane {
+            lane: r.get(0),
+            address: r.get(1),
+            next_nonce: r.get(2),
+            pause_reason: r.get(3),
+            shortage: r.get(4),
+            retired: r.get(5),
+        })
         .collect())
 }
 
@@ -97,7 +115,15 @@ pub async fn add(
     let details = serde_json::json!({"chain": "eth", "lane": lane, "address": address, "next_nonce": next});
     operator::record(&tx, Action::LaneAdded, by, &details).await?;
     tx.commit().await?;
-    Ok((Lane { lane: lane.to_owned(), address: address.to_owned(), next_nonce: next, pause_reason: None }, true))
+    let lane = Lane {
+        lane: lane.to_owned(),
+        address: address.to_owned(),
+        next_nonce: next,
+        pause_reason: None,
+        shortage: None,
+        retired: false,
+    };
+    Ok((lane, true))
 }
 
 /// Pauses (`Some(reason)`) or resumes (`None`) a lane on `by`'s authority, recorded as an
@@ -206,4 +232,31 @@ pub async fn resync(
         .await?;
     tx.commit().await?;
     Ok(done)
+}
+
+/// Retires a lane on `by`'s authority: new withdrawals hash over the other open lanes, while the
+/// ones already on it are signed, bumped and settled as before. Recorded as an operator action;
+/// retiring a retired lane changes nothing. Returns whether it was retired now.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it changes nothing.
+pub async fn retire(client: &mut deadpool_postgres::Object, lane: &str, by: &str) -> Result<bool, HotWalletError> {
+    let tx = client.transaction().await?;
+    // Every lane row locked: two retirements at once cannot both leave the other open.
+    let rows = tx
+        .query("select lane, retired_at is not null from hot_wallet where chain = 'eth' order by lane for update", &[])
+        .await?;
+    let Some(retired) = rows.iter().find(|r| r.get::<_, &str>(0) == lane).map(|r| r.get::<_, bool>(1)) else {
+        return Err(HotWalletError::UnknownLane(lane.to_owned()));
+    };
+    if retired {
+        return Ok(false);
+    }
+    if rows.iter().filter(|r| !r.get::<_, bool>(1)).count() == 1 {
+        return Err(HotWalletError::LastOpenLane(lane.to_owned()));
+    }
+    tx.execute("update hot_wallet set retired_at = now() where chain = 'eth' and lane = $1", &[&lane]).await?;
+    operator::record(&tx, Action::LaneRetired, by, &serde_json::json!({"lane": lane})).await?;
+    tx.commit().await?;
+    Ok(true)
 }

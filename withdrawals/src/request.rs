@@ -230,7 +230,8 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
         }
         _ => None,
     };
-    let lanes = crate::hot_wallet::lanes(&tx).await?;
+    // Retired lanes finish what they hold and take nothing new.
+    let lanes: Vec<_> = crate::hot_wallet::lanes(&tx).await?.into_iter().filter(|l| !l.retired).collect();
     if lanes.is_empty() {
         return Err(RequestError::NoHotWallet);
     }

@@ -85,6 +85,8 @@ struct RpcReceipt {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ChainTx {
+    /// Hash.
+    pub hash: B256,
     /// Sender.
     pub from: Address,
     /// Called address (`None` for a creation).
@@ -204,6 +206,42 @@ impl EthNode {
     /// `eth_getTransactionByHash`.
     pub async fn transaction(&self, hash: B256) -> Result<Option<ChainTx>, NodeError> {
         self.call("eth_getTransactionByHash", (hash,)).await
+    }
+
+    /// Every transaction of the canonical block at `number` (empty if there is none).
+    pub async fn block_transactions(&self, number: u64) -> Result<Vec<ChainTx>, NodeError> {
+        #[derive(Debug, Deserialize)]
+        struct Block {
+            transactions: Vec<ChainTx>,
+        }
+        let block: Option<Block> = self.call("eth_getBlockByNumber", (format!("0x{number:x}"), true)).await?;
+        Ok(block.map(|b| b.transactions).unwrap_or_default())
+    }
+
+    /// The transaction that consumed `nonce` of `address` on the canonical chain, found by
+    /// bisecting the nonce count over block numbers and reading that block: `None` while the
+    /// nonce is not consumed.
+    pub async fn consumer_of(&self, address: Address, nonce: u64) -> Result<Option<ChainTx>, NodeError> {
+        let head = self.block_number().await?;
+        if self.nonce_at(address, head).await? <= nonce {
+            return Ok(None);
+        }
+        // The first block whose count passes `nonce`: its transactions consumed it.
+        let (mut low, mut high) = (0u64, head);
+        while low < high {
+            let middle = low + (high - low) / 2;
+            if self.nonce_at(address, middle).await? > nonce {
+                high = middle;
+            } else {
+                low = middle + 1;
+            }
+        }
+        let found = self
+            .block_transactions(low)
+            .await?
+            .into_iter()
+            .find(|tx| tx.from == address && tx.nonce.to::<u64>() == nonce);
+        Ok(found)
     }
 
     /// `eth_call` at the latest block: what the call returns. A revert is an error with `is_revert`.
