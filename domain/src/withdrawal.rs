@@ -328,6 +328,8 @@ pub struct Withdrawal {
     pub live_attempt: Option<String>,
     /// The live attempt cannot be bumped within the fee cap (an alert was raised).
     pub stuck_at_cap: bool,
+    /// Height of the block of the mined attempt.
+    pub mined_block_number: Option<u64>,
     /// The principal who requested it (empty for streams older than principals).
     pub requested_by: String,
     /// Distinct approvers it needs while awaiting approval.
@@ -362,6 +364,7 @@ impl Withdrawal {
             attempt_at_block: None,
             live_attempt: None,
             stuck_at_cap: false,
+            mined_block_number: None,
             requested_by: requested_by.clone(),
             approvals_required: 0,
             approvers: Vec::new(),
@@ -418,9 +421,10 @@ impl Withdrawal {
                     self.tx_hash = Some(tx_hash.clone());
                 }
             }
-            E::Mined { tx_hash, block_hash, .. } => {
+            E::Mined { tx_hash, block_hash, block_number } => {
                 self.tx_hash = Some(tx_hash.clone());
                 self.mined_block_hash = Some(block_hash.clone());
+                self.mined_block_number = Some(*block_number);
                 self.stuck_at_cap = false;
                 self.state = S::Mined;
             }
@@ -428,6 +432,7 @@ impl Withdrawal {
                 // The mined bytes go out again; a cancel requested before they mined still
                 // stands (whichever of our attempts mines next decides the outcome).
                 self.mined_block_hash = None;
+                self.mined_block_number = None;
                 self.live_attempt = Some(tx_hash.clone());
                 self.state = if self.state_before_cancel.is_some() { S::CancelRequested } else { S::Broadcast };
             }

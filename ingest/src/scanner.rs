@@ -378,8 +378,21 @@ impl<R: ChainReader> Scanner<R> {
             Ok(report)
         }
         .await;
-        self.lease.lock().await.take();
+        self.release_lease().await;
         outcome
+    }
+
+    /// Gives the lease up: unlocked on its session before the session is closed, so a scanner
+    /// started right after this one returns finds it free (closing alone releases it only once
+    /// the server has noticed the connection is gone).
+    async fn release_lease(&self) {
+        let Some(lease) = self.lease.lock().await.take() else { return };
+        if let Some(client) = lease.client.as_ref() {
+            let (class, object) = (sql::LEASE_CLASS, sql::lease_object(self.chain()));
+            if let Err(e) = client.query_one("select pg_advisory_unlock($1, $2)", &[&class, &object]).await {
+                tracing::debug!(chain = %self.chain(), "unlocking the lease failed; closing its session releases it: {e}");
+            }
+        }
     }
 
     /// Scans until `shutdown` turns true: as the chain's one scanner while it holds the lease, as
@@ -422,7 +435,7 @@ impl<R: ChainReader> Scanner<R> {
                 Err(e) if e.is_fatal() => {
                     tracing::error!(%chain, "{e}");
                     self.set_state(ScannerState::Stopped { reason: e.to_string() });
-                    self.lease.lock().await.take();
+                    self.release_lease().await;
                     return Err(e);
                 }
                 Err(e) => {
@@ -444,7 +457,7 @@ impl<R: ChainReader> Scanner<R> {
                 _ = shutdown.changed() => {}
             }
         }
-        self.lease.lock().await.take();
+        self.release_lease().await;
         Ok(report)
     }
 

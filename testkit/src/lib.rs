@@ -4,6 +4,7 @@
 pub mod anvil;
 pub mod btcsim;
 pub mod db;
+pub mod faulty;
 pub mod fixtures;
 pub mod proxy;
 pub mod tls_proxy;

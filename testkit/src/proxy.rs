@@ -123,7 +123,7 @@ impl Drop for RpcProxy {
 }
 
 /// Reads one HTTP request (headers, then a `Content-Length` body); returns its body.
-async fn read_http(stream: &mut TcpStream) -> Result<Vec<u8>> {
+pub(crate) async fn read_http(stream: &mut TcpStream) -> Result<Vec<u8>> {
     let mut buffer = Vec::new();
     let mut chunk = [0u8; 8192];
     loop {
@@ -192,7 +192,7 @@ async fn serve_rpc(mut stream: TcpStream, state: Arc<RpcState>) -> Result<()> {
 }
 
 /// POSTs `body` to `upstream` and returns the response body.
-async fn forward(upstream: SocketAddr, body: &[u8]) -> Result<Vec<u8>> {
+pub(crate) async fn forward(upstream: SocketAddr, body: &[u8]) -> Result<Vec<u8>> {
     let mut stream = TcpStream::connect(upstream).await?;
     let head = format!(
         "POST / HTTP/1.1\r\nHost: {upstream}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `custodian` binary against a real PostgreSQL (and anvil).
 
 mod cli;
+mod crash;
 mod deposits;
 mod forgeries;
 mod harness;

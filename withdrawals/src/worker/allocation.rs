@@ -469,6 +469,7 @@ impl Worker {
                 attempt_at_block: None,
                 live_attempt: None,
                 stuck_at_cap: false,
+                mined_block_number: None,
                 requested_by: String::new(),
                 approvals_required: 0,
                 approvers: Vec::new(),

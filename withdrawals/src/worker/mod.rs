@@ -180,6 +180,10 @@ pub struct Worker {
     config: WorkerConfig,
     /// Lanes failing transiently: when each may be tried again, and its current backoff.
     lane_backoff: std::sync::Mutex<HashMap<String, (std::time::Instant, std::time::Duration)>>,
+    /// Withdrawals whose nonce the chain counted as used with none of their attempts mined, and
+    /// the head at which that was first seen: a second sighting at a later head, not one
+    /// answer, is the evidence for `needs_review`.
+    suspects: std::sync::Mutex<HashMap<i64, u64>>,
 }
 
 /// States in which a withdrawal has a nonce but no mined attempt yet.
@@ -189,7 +193,14 @@ const UNMINED: [WithdrawalState; 3] =
 impl Worker {
     /// A worker signing for `signers` (lane name → signer).
     pub fn new(pool: Pool, node: EthNode, signers: HashMap<String, Arc<dyn Signer>>, config: WorkerConfig) -> Worker {
-        Worker { pool, node, signers, config, lane_backoff: std::sync::Mutex::default() }
+        Worker {
+            pool,
+            node,
+            signers,
+            config,
+            lane_backoff: std::sync::Mutex::default(),
+            suspects: std::sync::Mutex::default(),
+        }
     }
 
     /// Passes every `interval` until `stopped` turns true; a pass is never cut short (the flag is

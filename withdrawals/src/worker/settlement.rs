@@ -50,6 +50,14 @@ impl Worker {
                 None if self.node.block_hash(head).await? != head_hash => {
                     tracing::info!(withdrawal = id, "the chain moved while settling; looked at again next pass");
                 }
+                None if !self.seen_again(id, head) => {
+                    tracing::warn!(
+                        withdrawal = id,
+                        nonce,
+                        "the chain counts our nonce as used but none of our attempts has \
+                        a receipt; looked at again at a later block before raising it"
+                    );
+                }
                 None => {
                     let reason = format!(
                         "nonce {nonce} of {} was used by a transaction this service did not sign",
@@ -83,6 +91,13 @@ impl Worker {
             };
             let receipt = self.node.receipt(tx_hash.parse().expect("BUG: stored hash")).await?;
             let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
+                // Unmined only when the chain no longer has that block at that height: a node that
+                // lost a receipt (a lagging replica, an answer from a stale block) is not a reorg.
+                let height = w.mined_block_number.expect("BUG: mined without a height");
+                if self.node.block_hash(height).await?.map(hex).as_deref() == Some(mined_in.as_str()) {
+                    tracing::warn!(withdrawal = id, %tx_hash, "the node has the mined block but no receipt for it; asked again next pass");
+                    continue;
+                }
                 tracing::warn!(withdrawal = id, %tx_hash, block = %mined_in, "mined block reorged out; the mined bytes go out again");
                 if self
                     .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in }, &[])
@@ -118,6 +133,22 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// Whether `id` was already suspect at a head below `head` (and records it as suspect).
+    fn seen_again(&self, id: i64, head: u64) -> bool {
+        let mut suspects = self.suspects.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match suspects.get(&id) {
+            Some(first) if *first < head => {
+                suspects.remove(&id);
+                true
+            }
+            Some(_) => false,
+            None => {
+                suspects.insert(id, head);
+                false
+            }
+        }
     }
 
     /// A pending nonce above our cursor means the key signed something we did not allocate; one
