@@ -330,6 +330,10 @@ pub struct Withdrawal {
     pub stuck_at_cap: bool,
     /// Height of the block of the mined attempt.
     pub mined_block_number: Option<u64>,
+    /// Its hold was settled or released once (confirmed, failed on chain, cancelled, rejected,
+    /// resolved): a later `needs_review` (its payment reorged out past the confirmation depth)
+    /// holds nothing.
+    pub settled: bool,
     /// The principal who requested it (empty for streams older than principals).
     pub requested_by: String,
     /// Distinct approvers it needs while awaiting approval.
@@ -339,6 +343,12 @@ pub struct Withdrawal {
 }
 
 impl Withdrawal {
+    /// Whether its hold is still held: a state that holds funds and no settlement or release
+    /// before (a confirmed withdrawal sent back to review by a deep reorg holds nothing).
+    pub fn holds_funds(&self) -> bool {
+        self.state.holds_funds() && !self.settled
+    }
+
     /// Starts a stream from its first event, which must be `requested`.
     pub fn start(id: i64, first: &WithdrawalEvent) -> Option<Withdrawal> {
         let WithdrawalEvent::Requested { account_id, external_id, asset, destination, amount, lane, requested_by } =
@@ -365,6 +375,7 @@ impl Withdrawal {
             live_attempt: None,
             stuck_at_cap: false,
             mined_block_number: None,
+            settled: false,
             requested_by: requested_by.clone(),
             approvals_required: 0,
             approvers: Vec::new(),
@@ -393,7 +404,10 @@ impl Withdrawal {
                     self.state = S::Requested;
                 }
             }
-            E::Rejected { .. } => self.state = S::Rejected,
+            E::Rejected { .. } => {
+                self.settled = true;
+                self.state = S::Rejected;
+            }
             E::Signed { from_address, nonce, tx_hash, at_block } => {
                 self.attempt_at_block = Some(*at_block);
                 self.from_address = Some(from_address.clone());
@@ -439,6 +453,7 @@ impl Withdrawal {
             E::FeeCapReached { .. } => self.stuck_at_cap = true,
             E::Resolved { paid, tx_hash, block_hash, .. } => {
                 self.stuck_at_cap = false;
+                self.settled = true;
                 if *paid {
                     self.tx_hash = tx_hash.clone();
                     self.mined_block_hash = block_hash.clone();
@@ -447,8 +462,14 @@ impl Withdrawal {
                     self.state = S::Cancelled;
                 }
             }
-            E::Confirmed { .. } => self.state = S::Confirmed,
-            E::FailedOnchain { .. } => self.state = S::FailedOnchain,
+            E::Confirmed { .. } => {
+                self.settled = true;
+                self.state = S::Confirmed;
+            }
+            E::FailedOnchain { .. } => {
+                self.settled = true;
+                self.state = S::FailedOnchain;
+            }
             E::CancelRequested { .. } => {
                 self.state_before_cancel = Some(self.state);
                 self.state = S::CancelRequested;
@@ -457,6 +478,7 @@ impl Withdrawal {
                 if let Some(hash) = tx_hash {
                     self.tx_hash = Some(hash.clone());
                 }
+                self.settled = true;
                 self.state = S::Cancelled;
             }
             E::NeedsReview { .. } => self.state = S::NeedsReview,

@@ -79,6 +79,11 @@ with ledger as (
     select w.asset, sum(w.amount) as held from withdrawal w
      where w.account_id = $1 and w.state in ('requested', 'awaiting_approval', 'signed', 'broadcast', 'mined',
                                              'cancel_requested', 'needs_review')
+       -- in review after its hold was settled (a payment reorged out past the depth): nothing held
+       and (w.state <> 'needs_review'
+            or not exists (select 1 from ledger_transfer t
+                            where t.idempotency_key in ('withdrawal:' || w.id || ':settle',
+                                                        'withdrawal:' || w.id || ':release')))
      group by w.asset
 ), observed as (
     select distinct on (d.chain, d.tx_hash, d.kind, d.output_index) d.chain, d.tx_hash, d.kind, d.output_index,

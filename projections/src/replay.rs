@@ -139,14 +139,20 @@ with req as (
     select withdrawal_id as id, (payload ->> 'account_id')::bigint as account_id, payload ->> 'asset' as asset,
            (payload ->> 'amount')::numeric(78,0) as amount
       from withdrawal_event where event_type = 'requested'
-), ends as (
+), outcomes as (
     -- an operator's resolution ends like the outcome it names: paid settles, not paid releases
-    select withdrawal_id as id,
+    select withdrawal_id as id, seq,
            case event_type when 'resolved' then case when (payload ->> 'paid')::boolean then 'confirmed'
                                                      else 'cancelled' end
                            else event_type end as event_type,
            coalesce((payload ->> 'fee')::numeric(78,0), 0) as fee
       from withdrawal_event where event_type in ('rejected', 'cancelled', 'failed_onchain', 'confirmed', 'resolved')
+), ends as (
+    -- each movement once, as first booked (a payment confirmed, reorged out past the depth and
+    -- resolved as paid again settles once, with its first fee)
+    select distinct on (id, event_type) id, event_type, 0::numeric(78,0) as fee from outcomes order by id, event_type, seq
+), fees as (
+    select distinct on (id) id, fee from outcomes where fee > 0 order by id, seq
 ), movement as (
     select 'withdrawal:' || r.id || ':hold' as key, 'user:' || r.account_id as debit, 'withdrawal_holds' as credit,
            r.asset, r.amount
@@ -158,7 +164,7 @@ with req as (
     select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount
       from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
     union all
-    select 'withdrawal:' || e.id || ':fee', 'network_fees', 'custody', 'ETH', e.fee from ends e where e.fee > 0
+    select 'withdrawal:' || f.id || ':fee', 'network_fees', 'custody', 'ETH', f.fee from fees f
 )
 select t.id as transfer_id, m.key as idempotency_key, side.ledger_account, m.asset, side.direction, m.amount
   from movement m
@@ -413,7 +419,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         });
     }
     // What the rebuilt withdrawals hold: those still in flight.
-    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.state.holds_funds()).collect();
+    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds()).collect();
     let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id).collect();
     let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset.clone()).collect();
     let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount.to_string()).collect();

@@ -574,3 +574,75 @@ async fn a_retired_lane_takes_no_new_withdrawals_and_finishes_what_it_holds() {
     work_until_state(&h, &worker, false, held, WithdrawalState::Confirmed).await;
     h.verify().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_review_and_is_resolved_when_mined_again() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    h.mine(5).await;
+    let w = h.request(alice, "deep-1", &destination(60), ETHER).await.unwrap().withdrawal;
+    let worker = h.worker(config(2));
+    worker.pass().await.unwrap();
+    work_until_state(&h, &worker, true, w.id, WithdrawalState::Confirmed).await;
+    let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
+    let hash = confirmed.tx_hash.clone().unwrap();
+    let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|a| a.tx_hash == hash)
+        .unwrap()
+        .raw;
+
+    // Every block from the payment's up replaced (deeper than the depth of 2), and the payment
+    // does not come back on its own.
+    h.mine(1).await;
+    let head = h.rpc("eth_blockNumber", json!([])).await;
+    let head = u64::from_str_radix(head.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    let depth = head - confirmed.mined_block_number.unwrap() + 1;
+    assert!(depth > 2, "confirmed at depth {depth}");
+    h.rpc("anvil_reorg", json!([depth, []])).await;
+    let _ = h.anvil.rpc("anvil_dropTransaction", json!([hash])).await;
+    assert!(h.anvil.rpc("eth_getTransactionReceipt", json!([hash])).await.unwrap().is_null());
+    assert_eq!(worker.pass().await.unwrap().needs_review, 0, "one sighting is not evidence");
+    h.mine(1).await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.needs_review, 1, "{report:?}");
+    assert_eq!(report.paused_lanes, vec![w.lane.clone()]);
+    assert_eq!(h.state(w.id).await, WithdrawalState::NeedsReview);
+    // Its hold was settled: it holds nothing, and the books still verify.
+    let held: String =
+        h.db.pool
+            .get()
+            .await
+            .unwrap()
+            .query_one(
+                "select coalesce(sum(held), 0)::text from account_balance where account_id = $1 and asset = 'ETH'",
+                &[&alice],
+            )
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(held, "0");
+    h.verify().await;
+
+    let cli = operator_cli(&h).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w.id))).await;
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash}", w.id))).await;
+    assert_eq!(refused.code, 2, "not on chain: {}", refused.stderr);
+    assert!(refused.stderr.contains("does not know transaction"), "{}", refused.stderr);
+    // The same bytes go out again (the node re-adds them, or an operator sends them) and mine.
+    h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&raw))])).await;
+    h.mine(1).await;
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash} --json", w.id))).await;
+    assert_eq!(resolved.code, 0, "{}", resolved.stderr);
+    assert_eq!(h.state(w.id).await, WithdrawalState::Confirmed);
+    assert_eq!(
+        h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await,
+        1,
+        "settled once"
+    );
+    assert_eq!(h.balance(&destination(60)).await, U256::from(ETHER), "paid once");
+    h.verify().await;
+}

@@ -227,6 +227,13 @@ pub async fn resolve(
                 by: by.to_owned(),
             }
         }
+        Resolution::NotPaid if w.settled => {
+            return Err(refuse(
+                "its hold was settled as paid before its block was reorged out: resolve it with --paid-by once its \
+                 transaction is mined again"
+                    .into(),
+            ));
+        }
         Resolution::NotPaid => {
             // The transaction that consumed the nonce, found on chain: it must be none of ours
             // and must not pay the destination (then it is --paid-by).

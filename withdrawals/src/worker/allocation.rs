@@ -470,6 +470,7 @@ impl Worker {
                 live_attempt: None,
                 stuck_at_cap: false,
                 mined_block_number: None,
+                settled: false,
                 requested_by: String::new(),
                 approvals_required: 0,
                 approvers: Vec::new(),
@@ -564,7 +565,7 @@ impl Worker {
                 .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
                 .collect();
             let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
-            if !w.state.holds_funds() {
+            if !w.holds_funds() {
                 // Settled, cancelled or refused: its money is where its events put it. Put the
                 // row back as the stream says; there is nothing left for a person to decide.
                 sql::write_projection(&tx, &w).await?;

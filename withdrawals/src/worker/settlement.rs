@@ -132,6 +132,52 @@ impl Worker {
                 }
             }
         }
+        self.reorged_past_depth(lane, &client, head, mined_count, report).await?;
+        Ok(())
+    }
+
+    /// Confirmed withdrawals whose transaction the chain no longer holds (their nonce is not
+    /// counted any more: a reorg deeper than the confirmation depth) go back to `needs_review`
+    /// with an alert, and the lane pauses. Only the lane's tail of nonces is read (the
+    /// allocation's primary key), and, as for any consumed-nonce evidence, only a second sighting
+    /// at a later block counts.
+    async fn reorged_past_depth(
+        &self,
+        lane: &Lane,
+        client: &deadpool_postgres::Object,
+        head: u64,
+        mined_count: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let gone = client
+            .query(
+                "select n.withdrawal_id, n.nonce from nonce_allocation n join withdrawal w on w.id = n.withdrawal_id
+                  where n.chain = 'eth' and n.from_address = $1 and n.nonce >= $2 and w.state = 'confirmed'
+                  order by n.nonce",
+                &[&lane.address, &i64::try_from(mined_count).expect("BUG: nonce beyond i64")],
+            )
+            .await?;
+        for row in gone {
+            let (id, nonce): (i64, i64) = (row.get(0), row.get(1));
+            if !self.seen_again(id, head) {
+                continue;
+            }
+            let w = sql::load(client, id).await?.expect("BUG: listed withdrawal has no events");
+            let reason = format!(
+                "confirmed in block {} (height {}), but the chain no longer holds its transaction: nonce {nonce} is not \
+                 counted at block {head} (a reorg deeper than the confirmation depth of {})",
+                w.mined_block_hash.as_deref().unwrap_or("?"),
+                w.mined_block_number.map_or("?".to_owned(), |h| h.to_string()),
+                self.config.confirmations
+            );
+            metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.clone()).increment(1);
+            tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
+            let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
+            if self.record(id, |w| w.state == WithdrawalState::Confirmed, event, &[]).await? {
+                report.needs_review += 1;
+                self.pause(lane, &format!("needs review: {reason}"), report).await?;
+            }
+        }
         Ok(())
     }
 
