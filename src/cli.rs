@@ -293,6 +293,28 @@ pub enum HotWalletCommand {
         #[arg(long)]
         lane: String,
     },
+    /// Move money between two hot wallets: an internal withdrawal of treasury through the same
+    /// allocator (the fee to network_fees; the arrival is credited back to treasury).
+    Rebalance {
+        /// Only eth.
+        #[arg(long)]
+        chain: Chain,
+        /// The lane paying.
+        #[arg(long)]
+        from: String,
+        /// The lane receiving.
+        #[arg(long)]
+        to: String,
+        /// Whole units ("2.5").
+        #[arg(long)]
+        amount: String,
+        /// Asset symbol or key.
+        #[arg(long, default_value = "ETH")]
+        asset: String,
+        /// Idempotency key (default: one per invocation).
+        #[arg(long)]
+        external_id: Option<String>,
+    },
     /// Retire a lane: new withdrawals no longer hash to it, its in-flight ones finish.
     Retire {
         /// Lane.

@@ -139,6 +139,7 @@ pub(crate) fn hot_wallet(error: HotWalletError) -> Status {
         taken @ HotWalletError::Taken { .. } => Status::already_exists(taken.to_string()),
         resync @ HotWalletError::NeedsResync(_) => Status::failed_precondition(resync.to_string()),
         last @ HotWalletError::LastOpenLane(_) => Status::failed_precondition(last.to_string()),
+        owned @ HotWalletError::CustomerAddress { .. } => Status::failed_precondition(owned.to_string()),
     }
 }
 

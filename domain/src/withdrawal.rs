@@ -31,6 +31,10 @@ pub enum WithdrawalEvent {
         /// Empty only in streams recorded before principals existed.
         #[serde(default)]
         requested_by: String,
+        /// An internal withdrawal (rebalancing between hot wallets): paid from `treasury`, and
+        /// `account_id` is the treasury's account, which owns every hot-wallet address.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        treasury: bool,
     },
     /// Above the asset's approval limit, or past the account's daily total: waits for
     /// `approvals` distinct principals other than the requester.
@@ -334,6 +338,8 @@ pub struct Withdrawal {
     /// resolved): a later `needs_review` (its payment reorged out past the confirmation depth)
     /// holds nothing.
     pub settled: bool,
+    /// Internal (rebalancing): held from and released to `treasury`, not a customer.
+    pub treasury: bool,
     /// The principal who requested it (empty for streams older than principals).
     pub requested_by: String,
     /// Distinct approvers it needs while awaiting approval.
@@ -351,8 +357,16 @@ impl Withdrawal {
 
     /// Starts a stream from its first event, which must be `requested`.
     pub fn start(id: i64, first: &WithdrawalEvent) -> Option<Withdrawal> {
-        let WithdrawalEvent::Requested { account_id, external_id, asset, destination, amount, lane, requested_by } =
-            first
+        let WithdrawalEvent::Requested {
+            account_id,
+            external_id,
+            asset,
+            destination,
+            amount,
+            lane,
+            requested_by,
+            treasury,
+        } = first
         else {
             return None;
         };
@@ -376,6 +390,7 @@ impl Withdrawal {
             stuck_at_cap: false,
             mined_block_number: None,
             settled: false,
+            treasury: *treasury,
             requested_by: requested_by.clone(),
             approvals_required: 0,
             approvers: Vec::new(),
@@ -509,6 +524,7 @@ mod tests {
             amount: Amount::from_u64(5),
             lane: "a".into(),
             requested_by: "client".into(),
+            treasury: false,
         }
     }
 

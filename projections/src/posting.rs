@@ -92,7 +92,7 @@ with chain_side as (
       join due d on d.deposit_key = t.deposit_key
      cross join lateral (values ('custody', 'debit', d.owed),
                                 ('treasury', 'credit', d.to_treasury),
-                                ('user:' || d.account_id, 'credit', d.owed - d.to_treasury))
+                                (ledger_account_of(d.account_id), 'credit', d.owed - d.to_treasury))
            as side (ledger_account, direction, amount)
      where side.amount > 0
     returning transfer_id

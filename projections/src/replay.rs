@@ -136,8 +136,10 @@ order by 1";
 /// resolved as paid; the real fee when paid.
 const EXPECTED_MOVEMENTS: &str = "
 with req as (
-    select withdrawal_id as id, (payload ->> 'account_id')::bigint as account_id, payload ->> 'asset' as asset,
-           (payload ->> 'amount')::numeric(78,0) as amount
+    select withdrawal_id as id, payload ->> 'asset' as asset, (payload ->> 'amount')::numeric(78,0) as amount,
+           -- an internal withdrawal (rebalancing) is held from treasury
+           case when coalesce((payload ->> 'treasury')::boolean, false) then 'treasury'
+                else 'user:' || (payload ->> 'account_id') end as payer
       from withdrawal_event where event_type = 'requested'
 ), outcomes as (
     -- an operator's resolution ends like the outcome it names: paid settles, not paid releases
@@ -154,11 +156,11 @@ with req as (
 ), fees as (
     select distinct on (id) id, fee from outcomes where fee > 0 order by id, seq
 ), movement as (
-    select 'withdrawal:' || r.id || ':hold' as key, 'user:' || r.account_id as debit, 'withdrawal_holds' as credit,
+    select 'withdrawal:' || r.id || ':hold' as key, r.payer as debit, 'withdrawal_holds' as credit,
            r.asset, r.amount
       from req r
     union all
-    select 'withdrawal:' || r.id || ':release', 'withdrawal_holds', 'user:' || r.account_id, r.asset, r.amount
+    select 'withdrawal:' || r.id || ':release', 'withdrawal_holds', r.payer, r.asset, r.amount
       from req r join ends e on e.id = r.id and e.event_type in ('rejected', 'cancelled', 'failed_onchain')
     union all
     select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount

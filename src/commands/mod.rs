@@ -58,6 +58,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         }
         Command::HotWallet(HotWalletCommand::Resume { lane }) => withdraw::pause(&settings, &lane, None).await,
         Command::HotWallet(HotWalletCommand::Resync { lane }) => withdraw::resync(&settings, &lane).await,
+        Command::HotWallet(HotWalletCommand::Rebalance { chain, from, to, amount, asset, external_id }) => {
+            withdraw::rebalance(&settings, chain, &from, &to, &amount, &asset, external_id.as_deref()).await
+        }
         Command::HotWallet(HotWalletCommand::Retire { lane }) => withdraw::retire(&settings, &lane).await,
         Command::HotWallet(HotWalletCommand::List) => withdraw::lanes(&settings).await,
         Command::Withdraw { account, asset, to, amount, external_id } => {

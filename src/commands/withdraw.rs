@@ -114,6 +114,58 @@ pub async fn resync(settings: &Settings, lane: &str) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
+pub async fn rebalance(
+    settings: &Settings,
+    chain: Chain,
+    from: &str,
+    to: &str,
+    amount: &str,
+    asset: &str,
+    external_id: Option<&str>,
+) -> Result<Exit> {
+    if chain != Chain::Eth {
+        return Err(invalid("hot wallets are ETH lanes; BTC withdrawals are not supported"));
+    }
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "hot-wallet rebalance").await?;
+    let (asset, decimals) = resolve_asset(&client, asset).await?;
+    let amount = Amount::parse_decimal(amount, decimals).map_err(|e| invalid(format!("--amount: {e}")))?;
+    let external_id = external_id.map_or_else(
+        || {
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            format!("rebalance-{}", nanos.as_nanos())
+        },
+        str::to_owned,
+    );
+    let r = request::Rebalance {
+        from_lane: from.to_owned(),
+        to_lane: to.to_owned(),
+        asset: asset.clone(),
+        amount,
+        external_id,
+        requested_by: by,
+    };
+    let outcome = match request::rebalance(&mut client, &r).await {
+        Ok(outcome) => outcome,
+        Err(RequestError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the rebalance")),
+        Err(refusal) => return Err(invalid(refusal.to_string())),
+    };
+    if settings.json {
+        super::print_json(&json!({ "withdrawal": outcome.withdrawal, "created": outcome.created }))?;
+    } else {
+        println!(
+            "rebalance {} ({}): {} of {asset} from lane {from} to lane {to} ({}), {}",
+            outcome.withdrawal.id,
+            outcome.withdrawal.external_id,
+            amount.to_decimal_string(decimals),
+            outcome.withdrawal.destination,
+            if outcome.created { "requested" } else { "already requested" }
+        );
+    }
+    Ok(Exit::Success)
+}
+
 pub async fn retire(settings: &Settings, lane: &str) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;

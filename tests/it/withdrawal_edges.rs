@@ -646,3 +646,111 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     assert_eq!(h.balance(&destination(60)).await, U256::from(ETHER), "paid once");
     h.verify().await;
 }
+
+/// The ledger's custody of ETH, in wei.
+async fn custody(h: &Harness) -> String {
+    h.db.pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "select coalesce(sum(case direction when 'debit' then amount else -amount end), 0)::text
+               from ledger_posting where ledger_account = 'custody' and asset = 'ETH'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn ledger_balance(h: &Harness, account: &str) -> String {
+    h.db.pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
+               from ledger_posting where ledger_account = $1 and asset = 'ETH'",
+            &[&account],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold() {
+    let h = Harness::start(&[]).await;
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    // The hot wallets start empty (what they held before registration is not custody), and
+    // alice's deposit address is watched from the start.
+    for lane in &lanes {
+        h.rpc("anvil_setBalance", json!([lane.address, "0x0"])).await;
+    }
+    let deposit_address = "0x00000000000000000000000000000000000d3b05";
+    let alice = {
+        let mut client = h.db.pool.get().await.unwrap();
+        let (account, _) = custodian_store::ownership::create_account(&client, "alice").await.unwrap();
+        custodian_store::ownership::assign_address(
+            &mut client,
+            custodian_domain::Chain::Eth,
+            deposit_address,
+            account.id,
+            Some(0),
+        )
+        .await
+        .unwrap();
+        account.id
+    };
+    let env = vec![
+        ("CUSTODIAN_DATABASE_URL".to_owned(), h.db.url.expose().to_owned()),
+        ("CUSTODIAN_ETH_RPC_URL".to_owned(), h.anvil.url.clone()),
+    ];
+    let scan_and_post = || {
+        let env = env.clone();
+        let h = &h;
+        async move {
+            h.mine(80).await;
+            let scanned = crate::harness::custodian_env_async(env, &["scan", "--chain", "eth", "--once"]).await;
+            assert_eq!(scanned.code, 0, "{}", scanned.stderr);
+            custodian_projections::posting::post_all(&h.db.pool.get().await.unwrap()).await.unwrap();
+        }
+    };
+    // A top-up of lane a from outside, and a customer deposit.
+    for (to, ether) in [(lanes[0].address.as_str(), 5u128), (deposit_address, 3)] {
+        let hash = h
+            .rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": to, "value": format!("{:#x}", ether * ETHER)}]))
+            .await;
+        mined(&h, &hash).await;
+    }
+    scan_and_post().await;
+    assert_eq!(ledger_balance(&h, "treasury").await, (5 * ETHER).to_string(), "the top-up is treasury's");
+    assert_eq!(h.available(alice).await, (3 * ETHER).to_string());
+
+    // Lane a pays lane b 2 ETH through the allocator; alice withdraws 1 ETH.
+    let cli = operator_cli(&h).await;
+    let rebalanced =
+        cli(args("hot-wallet rebalance --chain eth --from a --to b --amount 2 --external-id r-1 --json")).await;
+    assert_eq!(rebalanced.code, 0, "{}", rebalanced.stderr);
+    let rebalance = rebalanced.json()["withdrawal"]["id"].as_i64().unwrap();
+    let again = cli(args("hot-wallet rebalance --chain eth --from a --to b --amount 2 --external-id r-1 --json")).await;
+    assert_eq!(
+        (again.json()["created"].clone(), again.json()["withdrawal"]["id"].as_i64()),
+        (json!(false), Some(rebalance))
+    );
+    assert_eq!(ledger_balance(&h, "treasury").await, (3 * ETHER).to_string(), "held from treasury");
+    let worker = h.worker(config(1));
+    work_until_state(&h, &worker, false, rebalance, WithdrawalState::Confirmed).await;
+    let payout = h.request(alice, "out-1", &destination(70), ETHER).await.unwrap().withdrawal;
+    work_until_state(&h, &worker, false, payout.id, WithdrawalState::Confirmed).await;
+    scan_and_post().await;
+
+    let mut chain = U256::ZERO;
+    for address in [lanes[0].address.as_str(), lanes[1].address.as_str(), deposit_address] {
+        chain += h.balance(address).await;
+    }
+    assert_eq!(custody(&h).await, chain.to_string(), "custody equals what our addresses hold");
+    assert_eq!(ledger_balance(&h, "treasury").await, (5 * ETHER).to_string(), "the rebalance came back to treasury");
+    assert_eq!(h.available(alice).await, (2 * ETHER).to_string());
+    h.verify().await;
+}

@@ -40,6 +40,16 @@ pub enum HotWalletError {
     /// The lane's key was used outside the service: its nonces must be re-synced first.
     #[error("lane {0:?} was paused because its key was used outside the service: run `custodian hot-wallet resync --lane {0}` before resuming it")]
     NeedsResync(String),
+    /// The address is (or was) a customer's deposit address.
+    #[error(
+        "{address} is a deposit address of account {account:?}: a hot wallet's address must be the treasury's alone"
+    )]
+    CustomerAddress {
+        /// Address.
+        address: String,
+        /// The account it belongs to.
+        account: String,
+    },
     /// Retiring the lane would leave new withdrawals nowhere to go.
     #[error("lane {0:?} is the last lane open to new withdrawals: add another before retiring it")]
     LastOpenLane(String),
@@ -86,6 +96,7 @@ pub async fn add(
     let parsed: alloy_primitives::Address =
         address.parse().map_err(|_| HotWalletError::UnknownLane(lane.to_owned()))?;
     let pending = node.nonce(parsed, true).await?;
+    let tip = node.block_number().await?;
     let tx = client.transaction().await?;
     let existing = tx
         .query_opt(
@@ -102,6 +113,17 @@ pub async fn add(
         }
         return Err(HotWalletError::Taken { lane: lane.to_owned(), address: address.to_owned() });
     }
+    // A hot wallet is treasury's: an address a customer's deposits go to cannot be one.
+    let owner = tx
+        .query_opt(
+            "select a.external_ref from wallet_address w join account a on a.id = w.account_id
+              where w.chain = 'eth' and w.address = $1 and not a.treasury limit 1",
+            &[&address],
+        )
+        .await?;
+    if let Some(owner) = owner {
+        return Err(HotWalletError::CustomerAddress { address: address.to_owned(), account: owner.get(0) });
+    }
     let local: Option<i64> = tx
         .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
         .await?
@@ -112,7 +134,18 @@ pub async fn add(
         &[&address, &lane, &next],
     )
     .await?;
-    let details = serde_json::json!({"chain": "eth", "lane": lane, "address": address, "next_nonce": next});
+    // Watched from the next block: what arrives from outside is a top-up, credited to treasury
+    // (what the address held before registration is not custody until it is deposited).
+    let watched_from = i64::try_from(tip + 1).expect("BUG: height beyond i64");
+    tx.execute(
+        "insert into wallet_address (chain, address, account_id, valid_from_height)
+         select 'eth', $1, id, $2 from account where treasury",
+        &[&address, &watched_from],
+    )
+    .await?;
+    let details = serde_json::json!({
+        "chain": "eth", "lane": lane, "address": address, "next_nonce": next, "watched_from_height": watched_from,
+    });
     operator::record(&tx, Action::LaneAdded, by, &details).await?;
     tx.commit().await?;
     let lane = Lane {

@@ -176,6 +176,7 @@ mod tests {
             amount: Amount::from_u64(amount),
             lane: "a".into(),
             requested_by: "c".into(),
+            treasury: false,
         };
         Withdrawal::fold(1, &[requested]).unwrap()
     }

@@ -251,6 +251,7 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
             amount: request.amount,
             lane: lane.lane.clone(),
             requested_by: request.requested_by.trim().to_owned(),
+            treasury: false,
         },
     )
     .await?;
@@ -266,5 +267,94 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
     tx.commit().await?;
     metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
     debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
+    Ok(Requested { withdrawal, created: true })
+}
+
+/// An internal withdrawal between two hot wallets (DESIGN §7.8).
+#[derive(Debug, Clone)]
+pub struct Rebalance {
+    /// The lane paying.
+    pub from_lane: String,
+    /// The lane receiving.
+    pub to_lane: String,
+    /// Asset key (`ETH` or `eth:0x…`).
+    pub asset: String,
+    /// Smallest units.
+    pub amount: Amount,
+    /// The operator's idempotency key.
+    pub external_id: String,
+    /// The operator.
+    pub requested_by: String,
+}
+
+/// Records a rebalance: a withdrawal of `treasury` through the same allocator, from `from_lane`
+/// to `to_lane`'s address, held from `treasury` (the fee goes to `network_fees`; the arrival is a
+/// deposit of the receiving hot wallet, credited back to `treasury`). Whether the paying hot
+/// wallet can cover it is the worker's question (a shortage waits). Idempotent per external id.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) -> Result<Requested, RequestError> {
+    if r.requested_by.trim().is_empty() {
+        return Err(RequestError::Invalid("a rebalance needs the authenticated principal asking for it".into()));
+    }
+    if r.amount.is_zero() {
+        return Err(RequestError::Invalid("amount must be greater than zero".into()));
+    }
+    if r.from_lane == r.to_lane {
+        return Err(RequestError::Invalid(format!("--from and --to are both lane {}", r.from_lane)));
+    }
+    let tx = client.transaction().await?;
+    let treasury: i64 = tx.query_one("select id from account where treasury for update", &[]).await?.get(0);
+    let lanes = crate::hot_wallet::lanes(&tx).await?;
+    let find = |name: &str| {
+        lanes.iter().find(|l| l.lane == name).ok_or_else(|| RequestError::Invalid(format!("no lane {name:?}")))
+    };
+    let (from, to) = (find(&r.from_lane)?, find(&r.to_lane)?);
+    let found = tx
+        .query_opt("select id from withdrawal where account_id = $1 and external_id = $2", &[&treasury, &r.external_id])
+        .await?;
+    if let Some(row) = found {
+        let withdrawal = sql::load(&tx, row.get(0)).await?.expect("BUG: projection row without events");
+        let mut fields = Vec::new();
+        if withdrawal.asset != r.asset {
+            fields.push("asset");
+        }
+        if withdrawal.destination != to.address || withdrawal.lane != from.lane {
+            fields.push("lanes");
+        }
+        if withdrawal.amount != r.amount {
+            fields.push("amount");
+        }
+        if fields.is_empty() {
+            return Ok(Requested { withdrawal, created: false });
+        }
+        return Err(RequestError::Conflict { external_id: r.external_id.clone(), existing: withdrawal.id, fields });
+    }
+    if let Some(reason) = &from.pause_reason {
+        return Err(RequestError::LanePaused { lane: from.lane.clone(), reason: reason.clone() });
+    }
+    if tx.query_opt("select 1 from asset where asset = $1 and chain = 'eth'", &[&r.asset]).await?.is_none() {
+        return Err(RequestError::Invalid(format!("unknown asset {:?}", r.asset)));
+    }
+    let id: i64 = tx.query_one("select nextval('withdrawal_id_seq')", &[]).await?.get(0);
+    let withdrawal = sql::start(
+        &tx,
+        id,
+        WithdrawalEvent::Requested {
+            account_id: treasury,
+            external_id: r.external_id.clone(),
+            asset: r.asset.clone(),
+            destination: to.address.clone(),
+            amount: r.amount,
+            lane: from.lane.clone(),
+            requested_by: r.requested_by.trim().to_owned(),
+            treasury: true,
+        },
+    )
+    .await?;
+    sql::post(&tx, &withdrawal, Movement::Hold, Amount::ZERO).await?;
+    tx.commit().await?;
+    metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
     Ok(Requested { withdrawal, created: true })
 }

@@ -122,7 +122,8 @@ pub async fn post(
     movement: Movement,
     fee: Amount,
 ) -> Result<(), tokio_postgres::Error> {
-    let user = format!("user:{}", w.account_id);
+    // An internal withdrawal (rebalancing) is paid from treasury, a customer's from its account.
+    let user = if w.treasury { "treasury".to_owned() } else { format!("user:{}", w.account_id) };
     let (kind, suffix, debit, credit, asset, amount) = match movement {
         Movement::Hold => ("withdrawal_hold", "hold", user.as_str(), "withdrawal_holds", w.asset.as_str(), w.amount),
         Movement::Release => {

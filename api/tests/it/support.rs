@@ -32,7 +32,6 @@ pub const DEV_ETH_XPUB: &str =
 pub const FUNDER: &str = "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266";
 /// Anvil's dev account 1 and its key: the hot wallet of lane `a`.
 pub const HOT_WALLET: &str = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8";
-pub const HOT_WALLET_KEY: &str = "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d";
 /// Wei per ether.
 pub const ETHER: u128 = 1_000_000_000_000_000_000;
 

@@ -471,6 +471,7 @@ impl Worker {
                 stuck_at_cap: false,
                 mined_block_number: None,
                 settled: false,
+                treasury: false,
                 requested_by: String::new(),
                 approvals_required: 0,
                 approvers: Vec::new(),
