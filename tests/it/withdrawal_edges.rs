@@ -604,7 +604,9 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.rpc("anvil_reorg", json!([depth, []])).await;
     let _ = h.anvil.rpc("anvil_dropTransaction", json!([hash])).await;
     assert!(h.anvil.rpc("eth_getTransactionReceipt", json!([hash])).await.unwrap().is_null());
-    assert_eq!(worker.pass().await.unwrap().needs_review, 0, "one sighting is not evidence");
+    let first = worker.pass().await.unwrap();
+    assert_eq!(first.needs_review, 0, "one sighting is not evidence");
+    assert_eq!(first.nonce_gaps.len(), 1, "the chain's nonce is below ours with nothing in flight: {first:?}");
     h.mine(1).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.needs_review, 1, "{report:?}");

@@ -161,6 +161,8 @@ pub struct PassReport {
     pub fee_cap_reached: u64,
     /// Lanes that signed nothing because the hot wallet is short, with what it is short of.
     pub short_lanes: Vec<String>,
+    /// Lanes whose chain nonce is below our cursor with nothing of ours in flight (alerted).
+    pub nonce_gaps: Vec<String>,
     /// Lanes paused by this pass.
     pub paused_lanes: Vec<String>,
     /// Lanes whose part of this pass failed transiently, with the error: the other lanes went on.

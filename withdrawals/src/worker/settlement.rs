@@ -228,6 +228,7 @@ impl Worker {
             self.pause_for_resync(lane, &reason, report).await?;
         } else if pending < next && !in_flight {
             metrics::counter!("custodian_nonce_gap_alerts_total", "lane" => lane.lane.clone()).increment(1);
+            report.nonce_gaps.push(format!("{}: chain nonce {pending}, ours {next}", lane.lane));
             tracing::error!(
                 lane = %lane.lane, pending, next,
                 "ALERT: the chain's nonce is below our next nonce with nothing of ours in flight: transactions we \
