@@ -3,14 +3,20 @@
 //! Bitcoin Core (v28–v29) does — same JSON shapes, error codes, messages and HTTP statuses.
 //!
 //! Served: `getblockcount`, `getbestblockhash`, `getblockhash`, `getblock` (verbosity 0 and 1,
-//! or a boolean), `getblockheader` and `getblockchaininfo`; anything else is -32601 "Method not
-//! found". Legacy JSON-RPC (HTTP 500/404/400 on errors), JSON-RPC 2.0 (HTTP 200, 204 for
+//! or a boolean), `getblockheader`, `getblockchaininfo`, and a mempool: `sendrawtransaction`,
+//! `testmempoolaccept` (one transaction), `getrawmempool` (not verbose), `getmempoolentry`,
+//! `estimatesmartfee` (what the test set); anything else is -32601 "Method not found". The
+//! mempool accepts as Core 28 does with default policy — inputs from the active chain's UTXO set
+//! or the mempool, coinbase maturity, value, dust, minimum relay fee, full replace-by-fee with
+//! Core's fee rules — and verifies every input script with Bitcoin Core's own interpreter
+//! (`bitcoinconsensus`), refusing with Core's codes and reasons. Blocks take what waits with
+//! [`BitcoinSim::mine_mempool`]; a reorg offers the abandoned blocks' transactions back to it. Legacy JSON-RPC (HTTP 500/404/400 on errors), JSON-RPC 2.0 (HTTP 200, 204 for
 //! notifications), batches, named arguments, Basic auth by user/password or `.cookie`.
 //!
 //! What is real: every block is a valid regtest block on the real regtest genesis (BIP34
 //! coinbase, subsidy, a witness commitment in every block as Core's miner writes one, merkle
 //! root, proof of work against `0x207fffff`); every payment is a consensus-encoded version-2
-//! transaction whose P2WPKH input carries a valid BIP143 ECDSA signature by the simulator's key. What is simulated: there is no UTXO set — each
+//! transaction whose P2WPKH input carries a valid BIP143 ECDSA signature by the simulator's key. What is simulated: each [`BitcoinSim::pay`]
 //! payment spends a fabricated outpoint (a txid derived from a counter) that no block created,
 //! and coinbases claim the subsidy only, since the fabricated inputs' fees are unknown. Blocks
 //! are stamped genesis time + n for the n-th block mined, so runs are reproducible.
@@ -21,6 +27,7 @@
 mod chain;
 mod http;
 mod keys;
+mod mempool;
 mod rpc;
 
 use std::net::SocketAddr;
@@ -63,6 +70,8 @@ struct Shared {
     calls: AtomicU64,
     /// The `user:password` pairs Basic auth accepts.
     credentials: [String; 2],
+    /// What `estimatesmartfee` answers, sat/kvB (`None`: "Insufficient data").
+    fee_rate: Mutex<Option<u64>>,
 }
 
 impl Shared {
@@ -70,6 +79,10 @@ impl Shared {
     /// the chain consistent, so a poisoned lock is still used.
     fn chain(&self) -> MutexGuard<'_, Chain> {
         self.chain.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn fee_rate(&self) -> Option<u64> {
+        *self.fee_rate.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn is_unavailable(&self) -> bool {
@@ -106,6 +119,7 @@ impl BitcoinSim {
             unavailable: AtomicBool::new(false),
             calls: AtomicU64::new(0),
             credentials: [format!("{RPC_USER}:{RPC_PASSWORD}"), format!("{COOKIE_USER}:{cookie_password}")],
+            fee_rate: Mutex::new(None),
         });
         let server = tokio::spawn(http::serve(listener, Arc::clone(&shared)));
         BitcoinSim { shared, local_addr, cookie_file, server }
@@ -154,6 +168,32 @@ impl BitcoinSim {
     /// If `txs` repeats a transaction, holds a coinbase, or holds one already in the active chain.
     pub fn mine(&self, txs: &[Transaction]) -> BlockHash {
         self.shared.chain().mine(txs)
+    }
+
+    /// Mines one block holding every transaction waiting in the mempool (parents first).
+    pub fn mine_mempool(&self) -> BlockHash {
+        self.shared.chain().mine_mempool()
+    }
+
+    /// The txids waiting in the mempool, in the order they were accepted.
+    pub fn mempool(&self) -> Vec<bitcoin::Txid> {
+        self.shared.chain().mempool.in_order().iter().map(Transaction::compute_txid).collect()
+    }
+
+    /// Evicts `txid` from the mempool (as a node restart or a full mempool does); whether it
+    /// was there.
+    pub fn evict(&self, txid: bitcoin::Txid) -> bool {
+        self.shared.chain().mempool.remove(&txid).is_some()
+    }
+
+    /// Sets what `estimatesmartfee` answers, in sat/vB (`None`: no estimate).
+    pub fn set_fee_rate(&self, sat_per_vb: Option<u64>) {
+        *self.shared.fee_rate.lock().unwrap_or_else(PoisonError::into_inner) = sat_per_vb.map(|r| r * 1000);
+    }
+
+    /// The active chain's unspent output at `outpoint`, if any.
+    pub fn utxo(&self, outpoint: bitcoin::OutPoint) -> Option<bitcoin::TxOut> {
+        self.shared.chain().utxos().remove(&outpoint).map(|coin| coin.txout)
     }
 
     /// Mines `n` blocks holding only their coinbase.

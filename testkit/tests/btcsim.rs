@@ -563,3 +563,216 @@ async fn reorg_without_more_work_is_refused() {
     sim.mine_empty(3);
     sim.reorg(2, &[vec![], vec![]]);
 }
+
+/// A P2WPKH key the test holds, and the transactions it signs (BIP143), as a wallet would.
+struct TestWallet {
+    secp: bitcoin::secp256k1::Secp256k1<bitcoin::secp256k1::All>,
+    key: bitcoin::secp256k1::SecretKey,
+    pubkey: bitcoin::CompressedPublicKey,
+}
+
+impl TestWallet {
+    fn new(seed: u8) -> TestWallet {
+        let secp = bitcoin::secp256k1::Secp256k1::new();
+        let key = bitcoin::secp256k1::SecretKey::from_slice(&[seed; 32]).unwrap();
+        let pubkey = bitcoin::CompressedPublicKey(key.public_key(&secp));
+        TestWallet { secp, key, pubkey }
+    }
+
+    fn address(&self) -> Address {
+        Address::p2wpkh(&self.pubkey, Network::Regtest)
+    }
+
+    /// Spends `coins` (outpoint, value) to `outputs`, signing each input with `signer`'s key but
+    /// presenting `self`'s public key (the same wallet for an honest spend).
+    fn spend_signed_by(
+        &self,
+        signer: &TestWallet,
+        coins: &[(bitcoin::OutPoint, Amount)],
+        outputs: &[(Address, Amount)],
+    ) -> Transaction {
+        use bitcoin::sighash::SighashCache;
+        let mut tx = Transaction {
+            version: bitcoin::transaction::Version::TWO,
+            lock_time: bitcoin::absolute::LockTime::ZERO,
+            input: coins
+                .iter()
+                .map(|(outpoint, _)| bitcoin::TxIn {
+                    previous_output: *outpoint,
+                    script_sig: bitcoin::ScriptBuf::new(),
+                    sequence: bitcoin::Sequence::ENABLE_RBF_NO_LOCKTIME,
+                    witness: bitcoin::Witness::new(),
+                })
+                .collect(),
+            output: outputs
+                .iter()
+                .map(|(a, v)| bitcoin::TxOut { value: *v, script_pubkey: a.script_pubkey() })
+                .collect(),
+        };
+        let script = self.address().script_pubkey();
+        for (i, (_, value)) in coins.iter().enumerate() {
+            let sighash = SighashCache::new(&tx)
+                .p2wpkh_signature_hash(i, &script, *value, bitcoin::EcdsaSighashType::All)
+                .unwrap();
+            let signature = signer.secp.sign_ecdsa(&bitcoin::secp256k1::Message::from(sighash), &signer.key);
+            let signature = bitcoin::ecdsa::Signature { signature, sighash_type: bitcoin::EcdsaSighashType::All };
+            let pubkey = if std::ptr::eq(self, signer) { self.pubkey.0 } else { signer.pubkey.0 };
+            tx.input[i].witness = bitcoin::Witness::p2wpkh(&signature, &pubkey);
+        }
+        tx
+    }
+
+    fn spend(&self, coins: &[(bitcoin::OutPoint, Amount)], outputs: &[(Address, Amount)]) -> Transaction {
+        self.spend_signed_by(self, coins, outputs)
+    }
+}
+
+/// A mined, spendable coin of `wallet` worth `value`.
+fn fund(sim: &BitcoinSim, wallet: &TestWallet, value: Amount) -> (bitcoin::OutPoint, Amount) {
+    let payment = sim.pay(&[(wallet.address(), value)]);
+    sim.mine(std::slice::from_ref(&payment));
+    (bitcoin::OutPoint { txid: payment.compute_txid(), vout: 0 }, value)
+}
+
+fn hex_of(tx: &Transaction) -> String {
+    bitcoin::consensus::encode::serialize_hex(tx)
+}
+
+#[tokio::test]
+async fn a_signed_spend_waits_in_the_mempool_is_mined_and_is_then_in_the_utxo_set() {
+    let sim = BitcoinSim::start().await;
+    let mut client = Client::connect(&sim).await;
+    let alice = TestWallet::new(7);
+    let coin = fund(&sim, &alice, Amount::from_sat(100_000));
+    let to = sim.address(AddrKind::P2wpkh, 1);
+    let tx = alice.spend(&[coin], &[(to.clone(), Amount::from_sat(90_000))]);
+    let txid = client.call("sendrawtransaction", json!([hex_of(&tx)])).await;
+    assert_eq!(txid, json!(tx.compute_txid().to_string()));
+    assert_eq!(client.call("sendrawtransaction", json!([hex_of(&tx)])).await, txid, "sent again: the same answer");
+    assert_eq!(client.call("getrawmempool", json!([])).await, json!([txid]));
+    let entry = client.call("getmempoolentry", json!([txid])).await;
+    assert_eq!(entry["vsize"], json!(tx.vsize()));
+    let raw = client
+        .post(&json!({"method": "getmempoolentry", "params": [txid], "id": 1}).to_string())
+        .await
+        .text()
+        .to_owned();
+    assert!(raw.contains("\"base\":0.00010000,"), "eight decimals, as Core writes amounts: {raw}");
+    assert_eq!(entry["bip125-replaceable"], json!(true));
+    sim.mine_mempool();
+    assert!(sim.mempool().is_empty());
+    assert!(sim.utxo(bitcoin::OutPoint { txid: tx.compute_txid(), vout: 0 }).is_some());
+    assert_eq!(
+        client.call_error("sendrawtransaction", json!([hex_of(&tx)])).await,
+        (500, -27, "Transaction outputs already in utxo set".to_owned())
+    );
+    assert_eq!(
+        client.call_error("getmempoolentry", json!([txid])).await,
+        (500, -5, "Transaction not in mempool".to_owned())
+    );
+    // Its input is spent now: spending it again is missing inputs.
+    let again = alice.spend(&[coin], &[(to, Amount::from_sat(80_000))]);
+    assert_eq!(
+        client.call_error("sendrawtransaction", json!([hex_of(&again)])).await,
+        (500, -25, "Inputs missing or spent".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn a_wrongly_signed_spend_is_refused_with_bitcoin_cores_script_error() {
+    let sim = BitcoinSim::start().await;
+    let mut client = Client::connect(&sim).await;
+    let (alice, mallory) = (TestWallet::new(7), TestWallet::new(8));
+    let coin = fund(&sim, &alice, Amount::from_sat(100_000));
+    let to = sim.address(AddrKind::P2wpkh, 1);
+    // Mallory's key and Mallory's public key: the public key does not hash to alice's program.
+    let foreign = alice.spend_signed_by(&mallory, &[coin], &[(to.clone(), Amount::from_sat(90_000))]);
+    assert_eq!(
+        client.call_error("sendrawtransaction", json!([hex_of(&foreign)])).await,
+        (500, -26, "mandatory-script-verify-flag-failed (Script failed an OP_EQUALVERIFY operation)".to_owned())
+    );
+    // Alice's public key with a signature by another key: the signature check fails.
+    let mut forged = alice.spend(&[coin], &[(to.clone(), Amount::from_sat(90_000))]);
+    let other = alice.spend(&[coin], &[(to, Amount::from_sat(89_000))]);
+    let mut witness = forged.input[0].witness.to_vec();
+    witness[0] = other.input[0].witness.to_vec()[0].clone();
+    forged.input[0].witness = bitcoin::Witness::from_slice(&witness);
+    assert_eq!(
+        client.call_error("sendrawtransaction", json!([hex_of(&forged)])).await,
+        (
+            500,
+            -26,
+            "mandatory-script-verify-flag-failed (Signature must be zero for failed CHECK(MULTI)SIG operation)"
+                .to_owned()
+        )
+    );
+    let tested = client.call("testmempoolaccept", json!([[hex_of(&forged)]])).await;
+    assert_eq!(tested[0]["allowed"], json!(false));
+    assert!(sim.mempool().is_empty(), "nothing accepted");
+}
+
+#[tokio::test]
+async fn policy_refusals_and_replacements_follow_bitcoin_core() {
+    let sim = BitcoinSim::start().await;
+    let mut client = Client::connect(&sim).await;
+    let alice = TestWallet::new(7);
+    let coin = fund(&sim, &alice, Amount::from_sat(100_000));
+    let to = sim.address(AddrKind::P2wpkh, 1);
+    let pay = |value: u64| alice.spend(&[coin], &[(to.clone(), Amount::from_sat(value))]);
+    let (status, code, message) = client.call_error("sendrawtransaction", json!([hex_of(&pay(100_001))])).await;
+    assert_eq!((status, code), (500, -26));
+    assert_eq!(message, "bad-txns-in-belowout, value in (0.001) < value out (0.00100001)", "Core's FormatMoney");
+    let (_, code, message) = client.call_error("sendrawtransaction", json!([hex_of(&pay(99_990))])).await;
+    assert_eq!(code, -26);
+    assert!(message.starts_with("min relay fee not met, 10 < "), "{message}");
+    let big = fund(&sim, &alice, Amount::from_sat(5_000_000));
+    let overpaying = alice.spend(&[big], &[(to.clone(), Amount::from_sat(1_000))]);
+    let (_, code, message) = client.call_error("sendrawtransaction", json!([hex_of(&overpaying)])).await;
+    assert_eq!((code, message.as_str()), (-25, "Fee exceeds maximum configured by user (e.g. -maxtxfee, maxfeerate)"));
+    let dust = alice.spend(&[coin], &[(to.clone(), Amount::from_sat(90_000)), (to.clone(), Amount::from_sat(100))]);
+    assert_eq!(client.call_error("sendrawtransaction", json!([hex_of(&dust)])).await.2, "dust");
+    let tested = client.call("testmempoolaccept", json!([[hex_of(&pay(99_000))]])).await;
+    assert_eq!((tested[0]["allowed"].clone(), tested[0]["vsize"].clone()), (json!(true), json!(pay(99_000).vsize())));
+
+    // Replacement: a lower fee rate is refused; a higher one evicts the original.
+    let original = pay(99_000);
+    client.call("sendrawtransaction", json!([hex_of(&original)])).await;
+    let (_, code, message) = client.call_error("sendrawtransaction", json!([hex_of(&pay(99_500))])).await;
+    assert_eq!(code, -26);
+    assert!(message.starts_with("insufficient fee, rejecting replacement "), "{message}");
+    assert!(message.contains("BTC/kvB <= old feerate"), "{message}");
+    let (_, _, message) = client.call_error("sendrawtransaction", json!([hex_of(&pay(98_950))])).await;
+    assert!(message.contains("not enough additional fees to relay"), "{message}");
+    let replacement = pay(98_000);
+    client.call("sendrawtransaction", json!([hex_of(&replacement)])).await;
+    assert_eq!(sim.mempool(), vec![replacement.compute_txid()], "the original was replaced");
+    sim.mine_mempool();
+    assert_eq!(
+        sim.utxo(bitcoin::OutPoint { txid: replacement.compute_txid(), vout: 0 }).unwrap().value.to_sat(),
+        98_000
+    );
+}
+
+#[tokio::test]
+async fn a_reorg_returns_mined_transactions_to_the_mempool_and_estimates_are_what_the_test_set() {
+    let sim = BitcoinSim::start().await;
+    let mut client = Client::connect(&sim).await;
+    assert_eq!(
+        client.call("estimatesmartfee", json!([6])).await,
+        json!({"errors": ["Insufficient data or no feerate found"], "blocks": 0})
+    );
+    sim.set_fee_rate(Some(12));
+    let raw =
+        client.post(&json!({"method": "estimatesmartfee", "params": [6], "id": 1}).to_string()).await.text().to_owned();
+    assert!(raw.contains("\"feerate\":0.00012000,\"blocks\":6"), "{raw}");
+    let alice = TestWallet::new(7);
+    let coin = fund(&sim, &alice, Amount::from_sat(100_000));
+    let tx = alice.spend(&[coin], &[(sim.address(AddrKind::P2wpkh, 1), Amount::from_sat(90_000))]);
+    client.call("sendrawtransaction", json!([hex_of(&tx)])).await;
+    sim.mine_mempool();
+    assert!(sim.mempool().is_empty());
+    sim.reorg(1, &[vec![], vec![]]);
+    assert_eq!(sim.mempool(), vec![tx.compute_txid()], "back in the mempool, as Core does after a reorg");
+    assert!(sim.evict(tx.compute_txid()));
+    assert!(sim.mempool().is_empty());
+}

@@ -13,6 +13,8 @@ use bitcoin::{
     Transaction, TxIn, TxMerkleNode, TxOut, Txid, VarInt, Witness, Work,
 };
 
+use super::mempool::{Coin, Mempool};
+
 /// Regtest's proof-of-work limit and the `bits` of every regtest block.
 pub(super) const REGTEST_BITS: u32 = 0x207f_ffff;
 /// The version Bitcoin Core's miner writes: the BIP9 top bits, signalling nothing.
@@ -52,6 +54,8 @@ pub(super) struct Chain {
     /// Payments built so far: the serial of each payment's fabricated outpoint.
     payments_built: u64,
     coinbase_script: ScriptBuf,
+    /// Transactions accepted by `sendrawtransaction`, waiting for a block.
+    pub(super) mempool: Mempool,
 }
 
 impl Chain {
@@ -75,6 +79,58 @@ impl Chain {
             blocks_mined: 0,
             payments_built: 0,
             coinbase_script,
+            mempool: Mempool::default(),
+        }
+    }
+
+    /// The active chain's unspent outputs (OP_RETURN outputs are never coins), computed from its
+    /// blocks: the fabricated inputs of [`super::BitcoinSim::pay`] spend nothing.
+    pub(super) fn utxos(&self) -> HashMap<OutPoint, Coin> {
+        let mut coins = HashMap::new();
+        for hash in &self.active {
+            let entry = &self.entries[hash];
+            for (tx, txid) in entry.block.txdata.iter().zip(&entry.txids) {
+                if !tx.is_coinbase() {
+                    for input in &tx.input {
+                        coins.remove(&input.previous_output);
+                    }
+                }
+                for (vout, txout) in tx.output.iter().enumerate() {
+                    if txout.script_pubkey.is_op_return() {
+                        continue;
+                    }
+                    let outpoint = OutPoint { txid: *txid, vout: u32::try_from(vout).expect("BUG: vout beyond u32") };
+                    coins.insert(
+                        outpoint,
+                        Coin { txout: txout.clone(), height: Some(entry.height), coinbase: tx.is_coinbase() },
+                    );
+                }
+            }
+        }
+        coins
+    }
+
+    /// Mines one block with every waiting transaction (parents first) and empties the mempool.
+    pub(super) fn mine_mempool(&mut self) -> BlockHash {
+        let txs = self.mempool.in_order();
+        self.mine(&txs)
+    }
+
+    /// Offers the transactions of blocks that left the active chain back to the mempool, as
+    /// Core does after a reorg: those still valid (and not mined again) wait for a block.
+    fn resurrect(&mut self, abandoned: Vec<Transaction>) {
+        let now = self.tip().block.header.time.into();
+        for tx in abandoned {
+            let txid = tx.compute_txid();
+            if tx.is_coinbase() || self.active_txids.contains(&txid) || self.mempool.contains(&txid) {
+                continue;
+            }
+            let utxos = self.utxos();
+            if let Ok(accepted) = self.mempool.check(&tx, &utxos, self.tip_height(), None, now) {
+                if accepted.replaced.is_empty() {
+                    self.mempool.insert(accepted);
+                }
+            }
         }
     }
 
@@ -124,7 +180,9 @@ impl Chain {
         for txid in new_txids(txs) {
             assert!(!self.active_txids.contains(&txid), "transaction {txid} is already in the active chain");
         }
-        self.extend_active(txs)
+        let hash = self.extend_active(txs);
+        self.mempool.remove_for_block(txs);
+        hash
     }
 
     /// Abandons the top `depth` blocks (they stay known, as stale) and mines one block per entry
@@ -145,9 +203,16 @@ impl Chain {
             assert!(!below_fork, "transaction {txid} is already in the active chain below the fork");
             assert!(replacing.insert(txid), "transaction {txid} is twice in the replacement");
         }
+        let abandoned_txs: Vec<Transaction> =
+            self.active[fork..].iter().flat_map(|hash| self.entries[hash].block.txdata.clone()).collect();
         self.active_txids.retain(|txid| !abandoned.contains(txid));
         self.active.truncate(fork);
-        replacement.iter().map(|txs| self.extend_active(txs)).collect()
+        let mined: Vec<BlockHash> = replacement.iter().map(|txs| self.extend_active(txs)).collect();
+        for txs in replacement {
+            self.mempool.remove_for_block(txs);
+        }
+        self.resurrect(abandoned_txs);
+        mined
     }
 
     /// Mines one block per entry of `blocks` on `parent` (any known block, a stale one included).
@@ -171,8 +236,19 @@ impl Chain {
                 cursor = (entry.height > 0).then_some(entry.block.header.prev_blockhash);
             }
             branch.reverse();
+            let kept: HashSet<BlockHash> = branch.iter().copied().collect();
+            let abandoned_txs: Vec<Transaction> = self
+                .active
+                .iter()
+                .filter(|hash| !kept.contains(*hash))
+                .flat_map(|hash| self.entries[hash].block.txdata.clone())
+                .collect();
             self.active = branch;
             self.active_txids = self.active.iter().flat_map(|h| self.entries[h].txids.iter().copied()).collect();
+            for txs in blocks {
+                self.mempool.remove_for_block(txs);
+            }
+            self.resurrect(abandoned_txs);
         }
         mined
     }

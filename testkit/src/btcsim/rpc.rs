@@ -203,6 +203,10 @@ enum Answer {
     Header(HeaderJson),
     Block(BlockJson),
     ChainInfo(ChainInfoJson),
+    Txids(Vec<String>),
+    MempoolEntry(MempoolEntryJson),
+    Accept(Vec<AcceptJson>),
+    FeeEstimate(FeeEstimateJson),
 }
 
 /// The JSON type a declared argument must have (`RPCArg::MatchesType`); `None` skips the check.
@@ -211,6 +215,7 @@ enum ArgType {
     Number,
     String,
     Bool,
+    Array,
     Unchecked,
 }
 
@@ -220,6 +225,7 @@ impl ArgType {
             ArgType::Number => Some("number"),
             ArgType::String => Some("string"),
             ArgType::Bool => Some("bool"),
+            ArgType::Array => Some("array"),
             ArgType::Unchecked => None,
         }
     }
@@ -288,6 +294,56 @@ static METHODS: &[Method] = &[
                 hex-encoded data for blockheader 'hash'.\nIf verbose is true, returns an Object with information \
                 about blockheader <hash>.\n",
         handler: getblockheader,
+    },
+    Method {
+        name: "estimatesmartfee",
+        args: &[
+            Arg { names: "conf_target", ty: ArgType::Number, required: true },
+            Arg { names: "estimate_mode", ty: ArgType::String, required: false },
+        ],
+        usage:
+            "estimatesmartfee conf_target ( \"estimate_mode\" )\n\nEstimates the approximate fee per kilobyte needed \
+                for a transaction to begin\nconfirmation within conf_target blocks if possible and return the number \
+                of blocks\nfor which the estimate is valid.\n",
+        handler: estimatesmartfee,
+    },
+    Method {
+        name: "getmempoolentry",
+        args: &[Arg { names: "txid", ty: ArgType::String, required: true }],
+        usage: "getmempoolentry \"txid\"\n\nReturns mempool data for given transaction\n",
+        handler: getmempoolentry,
+    },
+    Method {
+        name: "getrawmempool",
+        args: &[
+            Arg { names: "verbose", ty: ArgType::Bool, required: false },
+            Arg { names: "mempool_sequence", ty: ArgType::Bool, required: false },
+        ],
+        usage: "getrawmempool ( verbose mempool_sequence )\n\nReturns all transaction ids in memory pool as a json \
+                array of string transaction ids.\n",
+        handler: getrawmempool,
+    },
+    Method {
+        name: "sendrawtransaction",
+        args: &[
+            Arg { names: "hexstring", ty: ArgType::String, required: true },
+            Arg { names: "maxfeerate", ty: ArgType::Unchecked, required: false },
+            Arg { names: "maxburnamount", ty: ArgType::Unchecked, required: false },
+        ],
+        usage:
+            "sendrawtransaction \"hexstring\" ( maxfeerate maxburnamount )\n\nSubmit a raw transaction (serialized, \
+                hex-encoded) to local node and network.\n",
+        handler: sendrawtransaction,
+    },
+    Method {
+        name: "testmempoolaccept",
+        args: &[
+            Arg { names: "rawtxs", ty: ArgType::Array, required: true },
+            Arg { names: "maxfeerate", ty: ArgType::Unchecked, required: false },
+        ],
+        usage: "testmempoolaccept [\"rawtx\",...] ( maxfeerate )\n\nReturns result of mempool acceptance tests \
+                indicating if raw transaction(s) (serialized, hex-encoded) would be accepted by mempool.\n",
+        handler: testmempoolaccept,
     },
 ];
 
@@ -592,4 +648,272 @@ struct ChainInfoJson {
     size_on_disk: u64,
     pruned: bool,
     warnings: Vec<String>,
+}
+
+const RPC_DESERIALIZATION_ERROR: i32 = -22;
+
+/// An amount in BTC written as Core's `ValueFromAmount` does: a JSON number with eight decimals.
+struct Btc(u64);
+
+impl Serialize for Btc {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let text = format!("{}.{:08}", self.0 / 100_000_000, self.0 % 100_000_000);
+        serde_json::value::RawValue::from_string(text).map_err(serde::ser::Error::custom)?.serialize(serializer)
+    }
+}
+
+/// A BTC amount argument (a number or a numeric string, as `AmountFromValue`) in satoshis.
+fn satoshis(value: &Value) -> Result<u64, RpcError> {
+    let text = match value {
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.clone(),
+        other => {
+            return Err(RpcError::new(
+                RPC_TYPE_ERROR,
+                format!("JSON value of type {} is not of expected type number", type_name(other)),
+            ))
+        }
+    };
+    let invalid = || RpcError::new(RPC_TYPE_ERROR, "Invalid amount");
+    let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
+    if fraction.len() > 8 || whole.starts_with('-') {
+        return Err(invalid());
+    }
+    let whole: u64 = whole.parse().map_err(|_| invalid())?;
+    let fraction: u64 = format!("{fraction:0<8}").parse().map_err(|_| invalid())?;
+    whole.checked_mul(100_000_000).and_then(|w| w.checked_add(fraction)).ok_or_else(invalid)
+}
+
+/// `DecodeHexTx` as `sendrawtransaction` calls it (witness first, then without).
+fn decode_tx(value: &Value) -> Result<bitcoin::Transaction, RpcError> {
+    let text = value.as_str().unwrap_or_default();
+    let bytes: Vec<u8> = bitcoin::hex::FromHex::from_hex(text).map_err(|_| {
+        RpcError::new(RPC_DESERIALIZATION_ERROR, "TX decode failed. Make sure the tx has at least one input.")
+    })?;
+    bitcoin::consensus::deserialize(&bytes).map_err(|_| {
+        RpcError::new(RPC_DESERIALIZATION_ERROR, "TX decode failed. Make sure the tx has at least one input.")
+    })
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn max_fee_rate(value: Option<&Value>) -> Result<u64, RpcError> {
+    match value {
+        None | Some(Value::Null) => Ok(super::mempool::Mempool::default_max_fee_rate()),
+        Some(value) => satoshis(value),
+    }
+}
+
+fn sendrawtransaction(shared: &Shared, params: &[Value]) -> Result<Answer, RpcError> {
+    let tx = decode_tx(&params[0])?;
+    let max = max_fee_rate(params.get(1))?;
+    let txid = tx.compute_txid();
+    let mut chain = shared.chain();
+    // Already waiting with the same witness: Core relays it again and answers its txid.
+    if chain.mempool.entries.get(&txid).is_some_and(|e| e.wtxid == tx.compute_wtxid()) {
+        return Ok(Answer::Hex(txid.to_string()));
+    }
+    let utxos = chain.utxos();
+    let height = chain.tip_height();
+    match chain.mempool.check(&tx, &utxos, height, Some(max), now()) {
+        Ok(accepted) => {
+            chain.mempool.insert(accepted);
+            Ok(Answer::Hex(txid.to_string()))
+        }
+        Err(refusal) => {
+            let (code, message) = refusal.rpc();
+            Err(RpcError::new(code, message))
+        }
+    }
+}
+
+/// Core's `testmempoolaccept` result for one transaction.
+#[derive(Serialize)]
+struct AcceptJson {
+    txid: String,
+    wtxid: String,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vsize: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fees: Option<AcceptFeesJson>,
+    #[serde(rename = "reject-reason", skip_serializing_if = "Option::is_none")]
+    reject_reason: Option<String>,
+}
+
+#[derive(Serialize)]
+struct AcceptFeesJson {
+    base: Btc,
+    #[serde(rename = "effective-feerate")]
+    effective_feerate: Btc,
+    #[serde(rename = "effective-includes")]
+    effective_includes: Vec<String>,
+}
+
+fn testmempoolaccept(shared: &Shared, params: &[Value]) -> Result<Answer, RpcError> {
+    let raws = params[0].as_array().expect("BUG: the type check admits only arrays here");
+    if raws.is_empty() || raws.len() > 25 {
+        return Err(RpcError::new(RPC_INVALID_PARAMETER, "Array must contain between 1 and 25 transactions."));
+    }
+    if raws.len() > 1 {
+        return Err(RpcError::new(RPC_INVALID_PARAMETER, "the Bitcoin Core simulator tests one transaction at a time"));
+    }
+    let tx = decode_tx(&raws[0])?;
+    let max = max_fee_rate(params.get(1))?;
+    let chain = shared.chain();
+    let (txid, wtxid) = (tx.compute_txid().to_string(), tx.compute_wtxid().to_string());
+    if chain.mempool.contains(&tx.compute_txid()) {
+        let reason = Some("txn-already-in-mempool".to_owned());
+        return Ok(Answer::Accept(vec![AcceptJson {
+            txid,
+            wtxid,
+            allowed: false,
+            vsize: None,
+            fees: None,
+            reject_reason: reason,
+        }]));
+    }
+    let answer = match chain.mempool.check(&tx, &chain.utxos(), chain.tip_height(), Some(max), now()) {
+        Ok(accepted) => AcceptJson {
+            txid,
+            wtxid: wtxid.clone(),
+            allowed: true,
+            vsize: Some(accepted.entry.vsize),
+            fees: Some(AcceptFeesJson {
+                base: Btc(accepted.entry.fee.to_sat()),
+                effective_feerate: Btc(accepted.entry.fee.to_sat() * 1000 / accepted.entry.vsize.max(1)),
+                effective_includes: vec![wtxid],
+            }),
+            reject_reason: None,
+        },
+        Err(refusal) => AcceptJson {
+            txid,
+            wtxid,
+            allowed: false,
+            vsize: None,
+            fees: None,
+            reject_reason: Some(refusal.reject_reason()),
+        },
+    };
+    Ok(Answer::Accept(vec![answer]))
+}
+
+fn getrawmempool(shared: &Shared, params: &[Value]) -> Result<Answer, RpcError> {
+    if params.first().and_then(Value::as_bool).unwrap_or(false) {
+        return Err(RpcError::new(
+            RPC_INVALID_PARAMETER,
+            "getrawmempool verbose is not implemented by the Bitcoin Core simulator",
+        ));
+    }
+    let chain = shared.chain();
+    Ok(Answer::Txids(chain.mempool.in_order().iter().map(|tx| tx.compute_txid().to_string()).collect()))
+}
+
+/// Core's `entryToJSON` (v28).
+#[derive(Serialize)]
+struct MempoolEntryJson {
+    vsize: u64,
+    weight: u64,
+    time: u64,
+    height: u64,
+    descendantcount: usize,
+    descendantsize: u64,
+    ancestorcount: usize,
+    ancestorsize: u64,
+    wtxid: String,
+    fees: MempoolFeesJson,
+    depends: Vec<String>,
+    spentby: Vec<String>,
+    #[serde(rename = "bip125-replaceable")]
+    bip125_replaceable: bool,
+    unbroadcast: bool,
+}
+
+#[derive(Serialize)]
+struct MempoolFeesJson {
+    base: Btc,
+    modified: Btc,
+    ancestor: Btc,
+    descendant: Btc,
+}
+
+fn getmempoolentry(shared: &Shared, params: &[Value]) -> Result<Answer, RpcError> {
+    let text = params[0].as_str().unwrap_or_default();
+    let txid = bitcoin::Txid::from_str(text).map_err(|_| {
+        RpcError::new(RPC_INVALID_PARAMETER, format!("txid must be of length 64 (not {}, for '{text}')", text.len()))
+    })?;
+    let chain = shared.chain();
+    let entry = chain
+        .mempool
+        .entries
+        .get(&txid)
+        .ok_or_else(|| RpcError::new(RPC_INVALID_ADDRESS_OR_KEY, "Transaction not in mempool"))?;
+    let depends: Vec<String> = entry
+        .tx
+        .input
+        .iter()
+        .filter(|i| chain.mempool.contains(&i.previous_output.txid))
+        .map(|i| i.previous_output.txid.to_string())
+        .collect();
+    let spentby: Vec<String> = chain
+        .mempool
+        .entries
+        .values()
+        .filter(|other| other.tx.input.iter().any(|i| i.previous_output.txid == txid))
+        .map(|other| other.tx.compute_txid().to_string())
+        .collect();
+    let fee = entry.fee.to_sat();
+    Ok(Answer::MempoolEntry(MempoolEntryJson {
+        vsize: entry.vsize,
+        weight: entry.tx.weight().to_wu(),
+        time: entry.time,
+        height: entry.height,
+        descendantcount: 1 + spentby.len(),
+        descendantsize: entry.vsize,
+        ancestorcount: 1 + depends.len(),
+        ancestorsize: entry.vsize,
+        wtxid: entry.wtxid.to_string(),
+        fees: MempoolFeesJson { base: Btc(fee), modified: Btc(fee), ancestor: Btc(fee), descendant: Btc(fee) },
+        depends,
+        spentby,
+        // Full replace-by-fee (Core 28's default): every transaction is replaceable, and Core
+        // reports signalling only.
+        bip125_replaceable: entry.tx.input.iter().any(|i| i.sequence.is_rbf()),
+        unbroadcast: false,
+    }))
+}
+
+/// Core's `estimatesmartfee` answer.
+#[derive(Serialize)]
+struct FeeEstimateJson {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feerate: Option<Btc>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    errors: Option<Vec<String>>,
+    blocks: i32,
+}
+
+fn estimatesmartfee(shared: &Shared, params: &[Value]) -> Result<Answer, RpcError> {
+    let target = get_int(&params[0])?;
+    if !(1..=1008).contains(&target) {
+        return Err(RpcError::new(RPC_INVALID_PARAMETER, "Invalid conf_target, must be between 1 and 1008"));
+    }
+    if let Some(mode) = params.get(1).and_then(Value::as_str) {
+        if !["unset", "economical", "conservative"].contains(&mode.to_ascii_lowercase().as_str()) {
+            return Err(RpcError::new(
+                RPC_INVALID_PARAMETER,
+                "Invalid estimate_mode parameter, must be one of: \"unset\", \"economical\", \"conservative\"",
+            ));
+        }
+    }
+    Ok(Answer::FeeEstimate(match shared.fee_rate() {
+        Some(sat_per_kvb) => FeeEstimateJson { feerate: Some(Btc(sat_per_kvb)), errors: None, blocks: target.max(2) },
+        None => FeeEstimateJson {
+            feerate: None,
+            errors: Some(vec!["Insufficient data or no feerate found".to_owned()]),
+            blocks: 0,
+        },
+    }))
 }
