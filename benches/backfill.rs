@@ -86,6 +86,7 @@ impl ChainReader for Synthetic {
             parent_hash: block_hash(height.saturating_sub(1)),
             payload: vec![0x5a; PAYLOAD_BYTES],
             transfers,
+            spends: Vec::new(),
         }))
     }
 }

@@ -15,6 +15,21 @@ pub struct FetchedBlock {
     pub payload: Vec<u8>,
     /// Every transfer in the block, to any address; the scanner keeps those to watched ones.
     pub transfers: Vec<Transfer>,
+    /// BTC: every input of every transaction but the coinbase; stored for the outputs we hold.
+    pub spends: Vec<Spend>,
+}
+
+/// An input spending an output (BTC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spend {
+    /// The spending transaction.
+    pub tx_hash: String,
+    /// The input's position in it.
+    pub input_index: u32,
+    /// The spent output's transaction.
+    pub prev_tx: String,
+    /// The spent output's vout.
+    pub prev_vout: u32,
 }
 
 /// Value moved to an address by a block.

@@ -14,7 +14,7 @@ use custodian_domain::{BtcNetwork, Chain};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::block::{DepositKind, FetchedBlock, Transfer, TransferAsset};
+use crate::block::{DepositKind, FetchedBlock, Spend, Transfer, TransferAsset};
 use crate::reader::{ChainIdentity, ChainReader, ReadError};
 
 /// How long one RPC call may take before the node counts as unreachable.
@@ -149,9 +149,20 @@ impl BtcReader {
 pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<FetchedBlock, ReadError> {
     let block: bitcoin::Block = deserialize(payload).map_err(|e| malformed(format!("block {height}: {e}")))?;
     let mut transfers = Vec::new();
+    let mut spends = Vec::new();
     for tx in &block.txdata {
         let coinbase = tx.is_coinbase();
         let txid = tx.compute_txid().to_string();
+        if !coinbase {
+            for (index, input) in tx.input.iter().enumerate() {
+                spends.push(Spend {
+                    tx_hash: txid.clone(),
+                    input_index: u32::try_from(index).map_err(malformed)?,
+                    prev_tx: input.previous_output.txid.to_string(),
+                    prev_vout: input.previous_output.vout,
+                });
+            }
+        }
         for (vout, output) in tx.output.iter().enumerate() {
             if output.value.to_sat() == 0 {
                 continue;
@@ -176,6 +187,7 @@ pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<F
         parent_hash: block.header.prev_blockhash.to_string(),
         payload: payload.to_vec(),
         transfers,
+        spends,
     })
 }
 

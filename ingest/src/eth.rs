@@ -311,6 +311,7 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
         parent_hash: hex(block.parent_hash),
         payload: payload.to_vec(),
         transfers,
+        spends: Vec::new(),
     })
 }
 

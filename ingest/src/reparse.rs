@@ -22,6 +22,8 @@ pub struct ReparseReport {
     pub pruned: u64,
     /// Deposit observations added.
     pub deposits_added: u64,
+    /// Spends of outputs we hold added.
+    pub spends_added: u64,
 }
 
 /// Decodes a stored payload of `chain` at `height`.
@@ -68,6 +70,7 @@ pub async fn reparse(
         }
         let deposits = deposits_in(chain, &blocks, &watched, &tokens);
         report.deposits_added += sql::insert_deposits(&client, chain, &deposits).await?;
+        report.spends_added += sql::insert_spends(&client, chain, &blocks).await?;
         report.blocks += blocks.len() as u64;
     }
     report.pruned = u64::try_from(canonical).expect("BUG: negative count") - report.blocks;
@@ -90,8 +93,8 @@ pub struct ObservationCheck {
 
 /// Re-parses every retained payload of `chain` and compares what it holds for the watched
 /// addresses with the stored observations of that block: an observation its own block's bytes do
-/// not contain (or contain with another amount, recipient, asset or coinbase flag) is a
-/// difference. Reads only; never writes.
+/// not contain (or contain with another amount, recipient, asset or coinbase flag), or a recorded
+/// spend that is not one of its block's inputs, is a difference. Reads only; never writes.
 pub async fn verify_observations(
     pool: &Pool,
     chain: Chain,
@@ -173,6 +176,40 @@ pub async fn verify_observations(
             }
         }
         check.not_stored += derived.len() as u64;
+        // Every stored spend must be an input of its own block's transactions.
+        let inputs: std::collections::HashSet<(&str, &str, u32, &str, u32)> = blocks
+            .iter()
+            .flat_map(|b| {
+                b.spends
+                    .iter()
+                    .map(move |s| (b.hash.as_str(), s.prev_tx.as_str(), s.prev_vout, s.tx_hash.as_str(), s.input_index))
+            })
+            .collect();
+        let spends = client
+            .query(
+                "select block_hash, tx_hash, output_index, spending_tx, input_index
+                   from output_spend where chain = $1 and block_hash = any($2)",
+                &[&chain.as_str(), &hashes],
+            )
+            .await?;
+        for row in &spends {
+            check.observations += 1;
+            let (block, tx, vout, spending, input): (String, String, i32, String, i32) =
+                (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+            let key = (
+                block.as_str(),
+                tx.as_str(),
+                u32::try_from(vout).unwrap_or(u32::MAX),
+                spending.as_str(),
+                u32::try_from(input).unwrap_or(u32::MAX),
+            );
+            if !inputs.contains(&key) {
+                check.differences.push(format!(
+                    "{chain} spend of {tx}:{vout} by {spending} input {input} in block {block} is not in that block's \
+                     retained payload"
+                ));
+            }
+        }
     }
     Ok(check)
 }

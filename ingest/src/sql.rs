@@ -218,6 +218,65 @@ select $1, n.block_hash, n.tx_hash, n.kind, n.output_index, n.coinbase, n.addres
        as n(block_hash, tx_hash, kind, output_index, coinbase, address, asset, amount)
 on conflict (chain, tx_hash, kind, output_index, block_hash) do nothing";
 
+/// The spends of outputs we hold (stored as observations, in this batch or before), keyed by
+/// the spent output and the block: $1 chain, $2..$6 the batch's inputs.
+const INSERT_SPENDS: &str = "
+insert into output_spend (chain, tx_hash, output_index, spending_tx, input_index, block_hash)
+select $1, s.prev_tx, s.prev_vout, s.spending_tx, s.input_index, s.block_hash
+  from unnest($2::text[], $3::int[], $4::text[], $5::int[], $6::text[])
+       as s(prev_tx, prev_vout, spending_tx, input_index, block_hash)
+ where exists (select 1 from deposit_event d
+                where d.chain = $1 and d.tx_hash = s.prev_tx and d.kind = 'output' and d.output_index = s.prev_vout)
+on conflict (chain, tx_hash, output_index, block_hash) do nothing";
+
+/// Every input of `blocks` as the column arrays `INSERT_SPENDS` takes.
+struct SpendColumns<'a> {
+    prev_txs: Vec<&'a str>,
+    prev_vouts: Vec<i32>,
+    spending: Vec<&'a str>,
+    inputs: Vec<i32>,
+    blocks: Vec<&'a str>,
+}
+
+impl<'a> SpendColumns<'a> {
+    fn new(blocks: &'a [FetchedBlock]) -> Self {
+        let mut columns =
+            SpendColumns { prev_txs: vec![], prev_vouts: vec![], spending: vec![], inputs: vec![], blocks: vec![] };
+        for block in blocks {
+            for spend in &block.spends {
+                columns.prev_txs.push(&spend.prev_tx);
+                columns.prev_vouts.push(i32::try_from(spend.prev_vout).expect("BUG: vout beyond i32"));
+                columns.spending.push(&spend.tx_hash);
+                columns.inputs.push(i32::try_from(spend.input_index).expect("BUG: input index beyond i32"));
+                columns.blocks.push(&block.hash);
+            }
+        }
+        columns
+    }
+
+    fn is_empty(&self) -> bool {
+        self.prev_txs.is_empty()
+    }
+
+    fn params<'p>(&'p self, chain: &'p &'p str) -> [&'p (dyn ToSql + Sync); 6] {
+        [chain, &self.prev_txs, &self.prev_vouts, &self.spending, &self.inputs, &self.blocks]
+    }
+}
+
+/// Inserts re-derived spends of outputs we hold; existing ones are left as they are.
+pub async fn insert_spends<C: GenericClient>(
+    client: &C,
+    chain: Chain,
+    blocks: &[FetchedBlock],
+) -> Result<u64, tokio_postgres::Error> {
+    let columns = SpendColumns::new(blocks);
+    if columns.is_empty() {
+        return Ok(0);
+    }
+    let name = chain.as_str();
+    client.execute(INSERT_SPENDS, &columns.params(&name)).await
+}
+
 const ADVANCE_CURSOR: &str = "update scan_cursor set next_height = $2, updated_at = now() where chain = $1";
 
 /// Deletes retained payloads of blocks below `$2`: the only deletion in the system.
@@ -250,22 +309,26 @@ pub async fn ingest_batch(
     let payloads: Vec<&[u8]> = blocks.iter().map(|b| b.payload.as_slice()).collect();
     let columns = DepositColumns::new(deposits);
     let deposit_params = columns.params(&name);
+    let spend_columns = SpendColumns::new(blocks);
+    let spend_params = spend_columns.params(&name);
     let below: Option<i64> = first.height.checked_sub(1).map(height_i64);
     let next_height = height_i64(last.height + 1);
     let horizon: Option<i64> = last.height.checked_sub(retention_blocks).map(height_i64);
 
     // Prepared once per connection: no statement costs a round trip of its own after the first.
-    let (open, orphan, reinstate, insert_blocks, insert_raw, insert_deposits, advance, prune) = futures::try_join!(
-        client.prepare_cached(OPEN_BATCH),
-        client.prepare_cached(ORPHAN_REPLACED),
-        client.prepare_cached(REINSTATE),
-        client.prepare_cached(INSERT_BLOCKS),
-        client.prepare_cached(INSERT_RAW),
-        client.prepare_cached(INSERT_DEPOSITS),
-        client.prepare_cached(ADVANCE_CURSOR),
-        client.prepare_cached(PRUNE_RAW),
-    )
-    .map_err(db)?;
+    let (open, orphan, reinstate, insert_blocks, insert_raw, insert_deposits, insert_spends, advance, prune) =
+        futures::try_join!(
+            client.prepare_cached(OPEN_BATCH),
+            client.prepare_cached(ORPHAN_REPLACED),
+            client.prepare_cached(REINSTATE),
+            client.prepare_cached(INSERT_BLOCKS),
+            client.prepare_cached(INSERT_RAW),
+            client.prepare_cached(INSERT_DEPOSITS),
+            client.prepare_cached(INSERT_SPENDS),
+            client.prepare_cached(ADVANCE_CURSOR),
+            client.prepare_cached(PRUNE_RAW),
+        )
+        .map_err(db)?;
 
     // First round trip: BEGIN, the cursor lock and the checks.
     let (class, object) = lease.key();
@@ -307,8 +370,12 @@ pub async fn ingest_batch(
         (&insert_blocks, &block_params),
         (&insert_raw, &raw_params),
         (&insert_deposits, &deposit_params),
-        (&advance, &advance_params),
     ];
+    // After the deposits, so a coin received and spent within one batch is recorded spent.
+    if !spend_columns.is_empty() {
+        writes.push((&insert_spends, &spend_params));
+    }
+    writes.push((&advance, &advance_params));
     if horizon.is_some() {
         writes.push((&prune, &prune_params));
     }

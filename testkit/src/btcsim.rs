@@ -162,6 +162,18 @@ impl BitcoinSim {
         self.shared.keys.payment(serial, outputs)
     }
 
+    /// Builds (does not send) a transaction spending `coins` — outputs to
+    /// `address(AddrKind::P2wpkh, index)`, with their values — to `outputs`, signed by that
+    /// address's key.
+    pub fn spend_p2wpkh(
+        &self,
+        index: u32,
+        coins: &[(bitcoin::OutPoint, Amount)],
+        outputs: &[(Address, Amount)],
+    ) -> Transaction {
+        self.shared.keys.spend_p2wpkh(index, coins, outputs)
+    }
+
     /// Mines one block on the active tip with `txs` after the coinbase; returns its hash.
     ///
     /// # Panics

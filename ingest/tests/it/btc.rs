@@ -186,3 +186,97 @@ async fn a_node_outage_is_retried_with_backoff() {
     stop.send(true).unwrap();
     running.await.unwrap().expect("the continuous scanner stops cleanly");
 }
+
+/// The coins `address` holds according to `unspent_output`: (txid, vout, satoshis).
+async fn unspent(db: &TestDb, address: &str) -> Vec<(String, i32, String)> {
+    db.pool
+        .get()
+        .await
+        .unwrap()
+        .query(
+            "select tx_hash, output_index, amount::text from unspent_output where address = $1 order by tx_hash, output_index",
+            &[&address],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_spend_of_our_output_is_recorded_per_block_and_a_reorg_makes_the_coin_unspent_again() {
+    let (sim, db, reader) = setup().await;
+    let ours = sim.address(AddrKind::P2wpkh, 3);
+    let elsewhere = sim.address(AddrKind::P2wpkh, 98);
+    watch(&db, Chain::Btc, "treasury-like", &ours.to_string()).await;
+    let funding = sim.pay(&[(ours.clone(), Amount::from_sat(100_000)), (elsewhere.clone(), Amount::from_sat(7_000))]);
+    let funding_block = sim.mine(std::slice::from_ref(&funding));
+    // A spend of an output we do not hold is not recorded.
+    let theirs = bitcoin::OutPoint { txid: funding.compute_txid(), vout: 1 };
+    let coin = bitcoin::OutPoint { txid: funding.compute_txid(), vout: 0 };
+    let spend =
+        sim.spend_p2wpkh(3, &[(coin, Amount::from_sat(100_000))], &[(elsewhere.clone(), Amount::from_sat(90_000))]);
+    let unrelated =
+        sim.spend_p2wpkh(98, &[(theirs, Amount::from_sat(7_000))], &[(elsewhere.clone(), Amount::from_sat(6_000))]);
+    scan(&db, reader.clone(), small_batches()).await;
+    assert_eq!(
+        unspent(&db, &ours.to_string()).await,
+        vec![(funding.compute_txid().to_string(), 0, "100000".to_owned())]
+    );
+
+    let spent_in = sim.mine(&[spend.clone(), unrelated]);
+    scan(&db, reader.clone(), small_batches()).await;
+    let client = db.pool.get().await.unwrap();
+    let rows: Vec<(String, i32, String, i32, String)> = client
+        .query(
+            "select tx_hash, output_index, spending_tx, input_index, block_hash from output_spend order by block_hash",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![(funding.compute_txid().to_string(), 0, spend.compute_txid().to_string(), 0, spent_in.to_string())],
+        "only the spend of our output"
+    );
+    assert!(unspent(&db, &ours.to_string()).await.is_empty(), "spent");
+
+    // The spending block is replaced by one without it: the coin is ours to spend again; then
+    // the spend is mined once more (Core offered it back to its mempool) and is recorded there.
+    sim.reorg(1, &[vec![], vec![]]);
+    scan(&db, reader.clone(), small_batches()).await;
+    assert_eq!(unspent(&db, &ours.to_string()).await.len(), 1, "unspent on the canonical chain again");
+    assert!(sim.mempool().contains(&spend.compute_txid()), "back in the node's mempool");
+    let again = sim.mine_mempool();
+    scan(&db, reader, small_batches()).await;
+    assert!(unspent(&db, &ours.to_string()).await.is_empty());
+    let blocks: Vec<String> = client
+        .query("select block_hash from output_spend order by recorded_at", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(blocks, vec![spent_in.to_string(), again.to_string()], "one observation per block, both kept");
+
+    // Every recorded spend is an input of its own block's retained bytes; a forged one is named.
+    let check =
+        custodian_ingest::reparse::verify_observations(&db.pool, Chain::Btc, BtcNetwork::Regtest).await.unwrap();
+    assert!(check.differences.is_empty(), "{:?}", check.differences);
+    client
+        .execute(
+            "insert into output_spend (chain, tx_hash, output_index, spending_tx, input_index, block_hash)
+             values ('btc', $1, 0, $2, 0, $3)",
+            &[&funding.compute_txid().to_string(), &funding.compute_txid().to_string(), &funding_block.to_string()],
+        )
+        .await
+        .unwrap();
+    let check =
+        custodian_ingest::reparse::verify_observations(&db.pool, Chain::Btc, BtcNetwork::Regtest).await.unwrap();
+    assert_eq!(check.differences.len(), 1, "{:?}", check.differences);
+    assert!(check.differences[0].contains("is not in that block's retained payload"), "{:?}", check.differences);
+}

@@ -119,6 +119,45 @@ impl Keys {
         tx
     }
 
+    /// A transaction spending `coins` (outpoints of the P2WPKH address `index`, with their
+    /// values) to `outputs`, signed (BIP143) by that address's key: what its holder would send.
+    pub(super) fn spend_p2wpkh(
+        &self,
+        index: u32,
+        coins: &[(OutPoint, Amount)],
+        outputs: &[(Address, Amount)],
+    ) -> Transaction {
+        let key = secret_key(AddrKind::P2wpkh.label(), index);
+        let pubkey = CompressedPublicKey(key.public_key(&self.secp));
+        let mut tx = Transaction {
+            version: transaction::Version::TWO,
+            lock_time: absolute::LockTime::ZERO,
+            input: coins
+                .iter()
+                .map(|(outpoint, _)| TxIn {
+                    previous_output: *outpoint,
+                    script_sig: ScriptBuf::new(),
+                    sequence: Sequence::ENABLE_RBF_NO_LOCKTIME,
+                    witness: Witness::new(),
+                })
+                .collect(),
+            output: outputs
+                .iter()
+                .map(|(address, amount)| TxOut { value: *amount, script_pubkey: address.script_pubkey() })
+                .collect(),
+        };
+        let spent_script = ScriptBuf::new_p2wpkh(&pubkey.wpubkey_hash());
+        for (i, (_, value)) in coins.iter().enumerate() {
+            let sighash = SighashCache::new(&tx)
+                .p2wpkh_signature_hash(i, &spent_script, *value, EcdsaSighashType::All)
+                .expect("BUG: input i exists");
+            let signature = self.secp.sign_ecdsa(&Message::from(sighash), &key);
+            tx.input[i].witness =
+                Witness::p2wpkh(&ecdsa::Signature { signature, sighash_type: EcdsaSighashType::All }, &pubkey.0);
+        }
+        tx
+    }
+
     #[cfg(test)]
     pub(super) fn funding_check(&self) -> (&Secp256k1<All>, CompressedPublicKey) {
         (&self.secp, self.funding_pubkey)
