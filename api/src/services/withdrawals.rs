@@ -22,14 +22,16 @@ use crate::{status, time, wire, State};
 
 const WITHDRAWAL_BY_ID: &str = "
 select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.destination, w.amount, w.state,
-       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at
+       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at,
+       w.stuck_at_cap
   from withdrawal w
   join asset a on a.asset = w.asset
  where w.id = $1";
 
 const WITHDRAWAL_PAGE: &str = "
 select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.destination, w.amount, w.state,
-       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at
+       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at,
+       w.stuck_at_cap
   from withdrawal w
   join asset a on a.asset = w.asset
  where ($1::bigint is null or w.account_id = $1)
@@ -40,7 +42,7 @@ select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.desti
 
 /// Every signed payload of some withdrawals, oldest first per withdrawal.
 const ATTEMPTS: &str = "
-select withdrawal_id, tx_hash, kind, max_fee
+select withdrawal_id, tx_hash, kind, max_fee, intent
   from withdrawal_attempt
  where withdrawal_id = any($1)
  order by withdrawal_id, created_at, tx_hash";
@@ -80,6 +82,7 @@ fn withdrawal(row: &Row) -> pb::Withdrawal {
         attempts: Vec::new(),
         requested_at: time::format(row.get::<_, SystemTime>(14)),
         updated_at: time::format(row.get::<_, SystemTime>(15)),
+        stuck_at_cap: row.get(16),
     }
 }
 
@@ -93,6 +96,7 @@ async fn with_attempts<C: GenericClient>(client: &C, withdrawals: &mut [pb::With
             tx_hash: row.get(1),
             kind: row.get(2),
             max_fee_per_gas_wei: row.get::<_, U256>(3).to_string(),
+            intent: row.get(4),
         });
     }
     for w in withdrawals {

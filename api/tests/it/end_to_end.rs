@@ -130,6 +130,8 @@ async fn a_deposit_is_credited_and_a_withdrawal_confirmed_through_the_api_alone(
     assert_eq!(confirmed.from_address.as_deref().map(str::to_lowercase).as_deref(), Some(LANE_ADDRESS));
     assert_eq!(confirmed.nonce, Some(0));
     assert_eq!(confirmed.attempts.len(), 1);
+    assert_eq!((confirmed.attempts[0].kind.as_str(), confirmed.attempts[0].intent.as_str()), ("original", "payout"));
+    assert!(!confirmed.stuck_at_cap);
     assert_eq!(confirmed.tx_hash.as_deref(), Some(confirmed.attempts[0].tx_hash.as_str()));
     assert!(confirmed.mined_block_hash.is_some());
     assert_eq!(on_chain_balance(&anvil, DESTINATION).await, U256::from(payout), "the money arrived");
