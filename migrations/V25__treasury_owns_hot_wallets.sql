@@ -16,9 +16,11 @@ return case when exists (select 1 from account a where a.id = account_id and a.t
 
 grant execute on function ledger_account_of(bigint) to custodian_service;
 
--- Hot wallets registered before this migration are watched from the block after our tip.
+-- Hot wallets registered before this migration are watched from the block after our tip. A hot
+-- wallet whose address is also a customer's deposit address fails this migration (the exclusion
+-- constraint names it): its top-ups would be credited to that customer; an operator must retire
+-- one of the two first.
 insert into wallet_address (chain, address, account_id, valid_from_height)
 select h.chain, h.address, (select id from account where treasury),
        coalesce((select max(b.height) + 1 from chain_block b where b.chain = h.chain and b.orphaned_at is null), 0)
-  from hot_wallet h
-on conflict on constraint wallet_address_no_overlap do nothing;
+  from hot_wallet h;

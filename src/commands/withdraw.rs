@@ -49,9 +49,57 @@ fn limit_error(e: LimitError) -> anyhow::Error {
     }
 }
 
+/// `lane`, or `lane<N>` for the next free N: letters, digits, `-` or `_`.
+fn lane_name(lane: Option<&str>, existing: usize) -> Result<String> {
+    match lane {
+        Some(lane) if !lane.is_empty() && lane.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => {
+            Ok(lane.to_owned())
+        }
+        Some(lane) => Err(invalid(format!("lane name {lane:?} must be letters, digits, - or _"))),
+        None => Ok(format!("lane{}", existing + 1)),
+    }
+}
+
+/// `hot-wallet add --chain btc`: an account-level BIP-84 extended private key from an owner-only
+/// file; its funding address is watched from the node's next block.
+async fn btc_hot_wallet_add(settings: &Settings, key_file: &Path, lane: Option<&str>) -> Result<Exit> {
+    let key = custodian_withdrawals::btc_key::BtcHotKey::from_file(key_file, settings.btc_network)
+        .map_err(|e| invalid(e.to_string()))?;
+    let url = settings
+        .btc_rpc
+        .as_deref()
+        .ok_or_else(|| invalid("no Bitcoin node: set --btc-rpc or CUSTODIAN_BTC_RPC_URL"))?;
+    let tip = {
+        use custodian_ingest::ChainReader;
+        custodian_ingest::btc::BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network)
+            .map_err(|e| invalid(e.to_string()))?
+            .tip_height()
+            .await
+            .context("reading the Bitcoin node's tip")?
+    };
+    let pool = super::pool(settings).await?;
+    let mut client = pool.get().await?;
+    let by = super::principal(settings, &client, Scope::Admin, "hot-wallet add").await?;
+    let lane = lane_name(lane, hot_wallet::btc_lanes(&client).await?.len())?;
+    let (registered, created) =
+        hot_wallet::add_btc(&mut client, &key, &lane, tip, &by).await.map_err(hot_wallet_error)?;
+    if settings.json {
+        super::print_json(&json!({ "lane": registered, "created": created }))?;
+    } else {
+        println!(
+            "BTC lane {} funds from {} (watched from block {}){}",
+            registered.lane,
+            registered.funding_address,
+            tip + 1,
+            if created { "" } else { " (already registered)" }
+        );
+    }
+    Ok(Exit::Success)
+}
+
 pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, lane: Option<&str>) -> Result<Exit> {
-    if chain != Chain::Eth {
-        return Err(invalid("hot wallets are ETH lanes; BTC withdrawals are not supported"));
+    if chain == Chain::Btc {
+        return btc_hot_wallet_add(settings, key_file, lane).await;
     }
     let signer = LocalSigner::from_file(key_file).map_err(|e| invalid(e.to_string()))?;
     let address = format!("{:#x}", signer.address());
@@ -60,13 +108,7 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
     let by = super::principal(settings, &client, Scope::Admin, "hot-wallet add").await?;
-    let lane = match lane {
-        Some(lane) if !lane.is_empty() && lane.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => {
-            lane.to_owned()
-        }
-        Some(lane) => return Err(invalid(format!("lane name {lane:?} must be letters, digits, - or _"))),
-        None => format!("lane{}", hot_wallet::lanes(&client).await?.len() + 1),
-    };
+    let lane = lane_name(lane, hot_wallet::lanes(&client).await?.len())?;
     let (registered, created) =
         hot_wallet::add(&mut client, &node, &lane, &address, &by).await.map_err(hot_wallet_error)?;
     if settings.json {
@@ -207,9 +249,39 @@ pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>) -> Res
 
 pub async fn lanes(settings: &Settings) -> Result<Exit> {
     let pool = super::pool(settings).await?;
-    let lanes = hot_wallet::lanes(&pool.get().await?).await?;
+    let client = pool.get().await?;
+    let lanes = hot_wallet::lanes(&client).await?;
+    let btc = hot_wallet::btc_lanes(&client).await?;
     if settings.json {
-        return super::print_json(&lanes).map(|()| Exit::Success);
+        // ETH lanes as before (an array); BTC lanes, when any, after them with their balances.
+        if btc.is_empty() {
+            return super::print_json(&lanes).map(|()| Exit::Success);
+        }
+        let mut all: Vec<serde_json::Value> = lanes
+            .iter()
+            .map(|l| {
+                let mut v = serde_json::to_value(l).expect("BUG: a lane serialises");
+                v["chain"] = json!("eth");
+                v
+            })
+            .collect();
+        all.extend(btc.iter().map(|l| {
+            let mut v = serde_json::to_value(l).expect("BUG: a lane serialises");
+            v["chain"] = json!("btc");
+            v
+        }));
+        return super::print_json(&all).map(|()| Exit::Success);
+    }
+    for l in &btc {
+        println!(
+            "{:<10} btc {} spendable {} sat, unconfirmed {} sat in {} coins {}",
+            l.lane,
+            l.funding_address,
+            l.spendable,
+            l.unconfirmed,
+            l.coins,
+            l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"))
+        );
     }
     for l in &lanes {
         let mut status = l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"));

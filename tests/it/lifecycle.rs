@@ -12,7 +12,7 @@ use crate::harness::{custodian, custodian_env, custodian_env_async, Run};
 use crate::ledger::{available, new_account};
 
 /// The environment of a BTC command against `sim`.
-fn btc_env(db: &TestDb, sim: &BitcoinSim, token: Option<&str>) -> Vec<(String, String)> {
+pub(crate) fn btc_env(db: &TestDb, sim: &BitcoinSim, token: Option<&str>) -> Vec<(String, String)> {
     let mut env = vec![
         ("CUSTODIAN_DATABASE_URL".to_owned(), db.url.expose().to_owned()),
         ("CUSTODIAN_BTC_RPC_URL".to_owned(), sim.url()),
@@ -27,12 +27,12 @@ fn btc_env(db: &TestDb, sim: &BitcoinSim, token: Option<&str>) -> Vec<(String, S
 }
 
 /// Runs the binary off the runtime (the simulator answers on it meanwhile).
-async fn run(env: Vec<(String, String)>, args: &[&str]) -> Run {
+pub(crate) async fn run(env: Vec<(String, String)>, args: &[&str]) -> Run {
     custodian_env_async(env, args).await
 }
 
 /// `custodian scan --chain btc --once`, which posts after every step exactly as `serve` does.
-async fn scan(db: &TestDb, sim: &BitcoinSim) {
+pub(crate) async fn scan(db: &TestDb, sim: &BitcoinSim) {
     let scanned = run(btc_env(db, sim, None), &["scan", "--chain", "btc", "--once", "--json"]).await;
     assert_eq!(scanned.code, 0, "{}", scanned.stderr);
 }

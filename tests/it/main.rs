@@ -1,5 +1,6 @@
 //! End-to-end tests of the `custodian` binary against a real PostgreSQL (and anvil).
 
+mod btc_withdrawals;
 mod cli;
 mod crash;
 mod deposits;

@@ -881,6 +881,26 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     assert!(paused.iter().any(|l| l.lane == lane && l.pause_reason.is_some()), "the lane paused: {paused:?}");
     assert_eq!(h.balance(&mallory).await, U256::ZERO, "mallory was never paid");
+
+    // The way out: never signed, so only "not paid" applies, and it releases the hold.
+    let mut client = h.db.pool.get().await.unwrap();
+    let paid_by = actions::Resolution::PaidBy(format!("0x{}", "ab".repeat(32)));
+    assert!(actions::resolve(&mut client, &h.node, w.id, &paid_by, "ops").await.is_err(), "nothing can have paid it");
+    let before = h.available(w.account_id).await;
+    let resolved = actions::resolve(&mut client, &h.node, w.id, &actions::Resolution::NotPaid, "ops").await.unwrap();
+    assert!(!resolved.paid);
+    assert_eq!(h.state(w.id).await, WithdrawalState::Cancelled);
+    let released = before.parse::<u128>().unwrap() + w.amount.units().to::<u128>();
+    assert_eq!(h.available(w.account_id).await, released.to_string(), "the hold is released");
+    // The ledger agrees with the events; the tampered column stays evidence (the service may not
+    // rewrite what a withdrawal pays), and replay names only it.
+    let report = replay::verify(&mut h.db.pool.get().await.unwrap()).await.unwrap();
+    assert!(!report.differences.is_empty());
+    assert!(
+        report.differences.iter().all(|d| d.check == "withdrawal projection" && d.detail.contains("destination=")),
+        "{:#?}",
+        report.differences
+    );
 }
 
 /// The principal whose token the CLI ran with, per decision, from `custodian events`.

@@ -184,7 +184,19 @@ pub async fn resolve(
     let refuse = |reason: String| ActionError::Evidence { id, reason };
     let node_error = |e: crate::rpc::NodeError| ActionError::Node(e.to_string());
     let (Some(from), Some(nonce)) = (w.from_address.clone(), w.nonce) else {
-        return Err(refuse("it was never signed: nothing on chain can have paid it".into()));
+        // Never signed (a row found tampered with before allocation): nothing on chain can have
+        // paid it, so not paid is the only outcome, and it releases the hold.
+        if *resolution != Resolution::NotPaid {
+            return Err(refuse("it was never signed: nothing on chain can have paid it; resolve it --not-paid".into()));
+        }
+        let event = WithdrawalEvent::Resolved {
+            paid: false,
+            tx_hash: None,
+            block_hash: None,
+            fee: Amount::ZERO,
+            by: by.to_owned(),
+        };
+        return record_resolution(client, id, event, by).await;
     };
     let hot: alloy_primitives::Address = from.parse().expect("BUG: stored hot wallet is not an address");
     let event = match resolution {
@@ -266,6 +278,17 @@ pub async fn resolve(
             }
         }
     };
+    record_resolution(client, id, event, by).await
+}
+
+/// Appends the resolution under the withdrawal's lock (still in review), with its movements and
+/// the operator action, in one transaction.
+async fn record_resolution(
+    client: &mut deadpool_postgres::Object,
+    id: i64,
+    event: WithdrawalEvent,
+    by: &str,
+) -> Result<Resolved, ActionError> {
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
     if w.state != WithdrawalState::NeedsReview {

@@ -293,3 +293,137 @@ pub async fn retire(client: &mut deadpool_postgres::Object, lane: &str, by: &str
     tx.commit().await?;
     Ok(true)
 }
+
+/// A BTC lane as stored, with what its addresses hold on the canonical chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BtcLane {
+    /// Lane name.
+    pub lane: String,
+    /// Funding address (`…/0/0`): top it up here.
+    pub funding_address: String,
+    /// Why it is paused, if it is.
+    pub pause_reason: Option<String>,
+    /// Satoshis in custody coins (paid to it after registration) that are confirmed (by the
+    /// confirmation tiers) and unspent. What reached the address before it was registered is not
+    /// custody and not counted.
+    pub spendable: String,
+    /// Satoshis in coins observed on the canonical chain, not yet confirmed.
+    pub unconfirmed: String,
+    /// Unspent coins counted above.
+    pub coins: i64,
+}
+
+/// Every BTC lane with its balances.
+pub async fn btc_lanes<C: GenericClient>(client: &C) -> Result<Vec<BtcLane>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "with coins as (
+                 -- the lane's unspent coins that are custody: attributed to the treasury (paid
+                 -- to the address after its registration), with whether they are confirmed
+                 select u.address, u.amount, bool_or(d.confirmed) as confirmed
+                   from unspent_output u
+                   join deposit_status d on d.deposit_key = 'deposit:btc:' || u.tx_hash || ':output:' || u.output_index
+                                        and d.block_hash = u.block_hash
+                  where u.chain = 'btc' and d.account_id = (select id from account where treasury)
+                  group by u.tx_hash, u.output_index, u.address, u.amount
+             )
+             select h.lane, h.address, h.pause_reason,
+                    coalesce(sum(c.amount) filter (where c.confirmed), 0)::text,
+                    coalesce(sum(c.amount) filter (where not c.confirmed), 0)::text,
+                    count(c.amount)
+               from hot_wallet h
+               join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
+               left join coins c on c.address = h.address
+              where h.chain = 'btc'
+              group by h.lane, h.address, h.pause_reason
+              order by h.lane",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| BtcLane {
+            lane: r.get(0),
+            funding_address: r.get(1),
+            pause_reason: r.get(2),
+            spendable: r.get(3),
+            unconfirmed: r.get(4),
+            coins: r.get(5),
+        })
+        .collect())
+}
+
+/// Registers a BTC hot wallet as lane `lane` on `by`'s authority: its funding address (the key's
+/// `…/0/0`) becomes the lane's `hot_wallet` row, the account's extended public key is kept for
+/// change addresses, and the funding address is watched from `tip + 1` as the treasury's (what
+/// arrives there from outside is credited to `treasury`). Registering the same key and lane
+/// again is a no-op.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it changes nothing.
+pub async fn add_btc(
+    client: &mut deadpool_postgres::Object,
+    key: &crate::btc_key::BtcHotKey,
+    lane: &str,
+    tip: u64,
+    by: &str,
+) -> Result<(BtcLane, bool), HotWalletError> {
+    let address = key.funding_address().to_string();
+    let xpub = key.account_xpub().to_string();
+    let tx = client.transaction().await?;
+    let existing = tx
+        .query_opt(
+            "select h.lane, h.address, b.account_xpub from hot_wallet h
+               left join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
+              where h.chain = 'btc' and (h.lane = $1 or h.address = $2)",
+            &[&lane, &address],
+        )
+        .await?;
+    let created = match existing {
+        Some(row) => {
+            let (found_lane, found_address, found_xpub): (String, String, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
+            if found_lane != lane || found_address != address || found_xpub.as_deref() != Some(xpub.as_str()) {
+                return Err(HotWalletError::Taken { lane: lane.to_owned(), address });
+            }
+            false
+        }
+        None => {
+            let owner = tx
+                .query_opt(
+                    "select a.external_ref from wallet_address w join account a on a.id = w.account_id
+                      where w.chain = 'btc' and w.address = $1 and not a.treasury limit 1",
+                    &[&address],
+                )
+                .await?;
+            if let Some(owner) = owner {
+                return Err(HotWalletError::CustomerAddress { address, account: owner.get(0) });
+            }
+            tx.execute(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('btc', $1, $2, 0)",
+                &[&address, &lane],
+            )
+            .await?;
+            tx.execute(
+                "insert into btc_hot_wallet (lane, address, account_xpub) values ($1, $2, $3)",
+                &[&lane, &address, &xpub],
+            )
+            .await?;
+            let watched_from = i64::try_from(tip + 1).expect("BUG: height beyond i64");
+            tx.execute(
+                "insert into wallet_address (chain, address, account_id, valid_from_height)
+                 select 'btc', $1, id, $2 from account where treasury",
+                &[&address, &watched_from],
+            )
+            .await?;
+            let details = serde_json::json!({
+                "chain": "btc", "lane": lane, "address": address, "watched_from_height": watched_from,
+            });
+            operator::record(&tx, Action::LaneAdded, by, &details).await?;
+            true
+        }
+    };
+    let lane = btc_lanes(&tx).await?.into_iter().find(|l| l.lane == lane).expect("BUG: the lane was just read");
+    tx.commit().await?;
+    Ok((lane, created))
+}

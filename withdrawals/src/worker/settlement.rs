@@ -28,7 +28,10 @@ impl Worker {
         let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
         for id in waiting {
             let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
-            let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else { continue };
+            let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else {
+                self.clear_suspect(id);
+                continue;
+            };
             let mut found = None;
             for attempt in sql::attempts(&client, id).await? {
                 if let Some(receipt) = self.node.receipt(attempt.tx_hash.parse().expect("BUG: stored hash")).await? {
@@ -38,6 +41,7 @@ impl Worker {
             }
             match found {
                 Some((attempt, receipt)) => {
+                    self.clear_suspect(id);
                     let event = WithdrawalEvent::Mined {
                         tx_hash: attempt.tx_hash,
                         block_hash: hex(receipt.block_hash),
@@ -179,6 +183,12 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// Forgets a suspicion the chain no longer supports: a later single answer must not count as
+    /// its second sighting.
+    fn clear_suspect(&self, id: i64) {
+        self.suspects.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
     }
 
     /// Whether `id` was already suspect at a head below `head` (and records it as suspect).
