@@ -271,7 +271,7 @@ pub async fn serve(
         )))
         .add_service(pb::audit_server::AuditServer::new(services::audit::AuditService::new(state.clone())))
         .add_service(pb::admin_server::AdminServer::new(services::admin::AdminService::new(state)))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), signal);
+        .serve_with_incoming_shutdown(incoming(listener), signal);
     // A client that never answers the graceful goodbye cannot hold the process up: after the
     // grace period its connection is dropped. Every write is one library transaction, committed
     // whole or not at all, so nothing is left half done.
@@ -298,3 +298,18 @@ const STANDARD_HEALTH_SERVICES: [&str; 6] = [
 
 /// How long in-flight calls and open connections get to finish once shutdown begins.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accepted connections with Nagle's algorithm off. A response goes out as several small writes
+/// (HTTP/2 headers, data, trailers); with Nagle on, a later write waits for the client's
+/// acknowledgement of the earlier one, which a client delays by up to 40 ms: a floor of about
+/// 45 ms under every call whose answer does not fit one write.
+fn incoming(
+    listener: tokio::net::TcpListener,
+) -> impl futures::Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> {
+    use futures::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
+}
