@@ -362,6 +362,9 @@ pub enum WithdrawalsCommand {
         /// Nothing paid it.
         #[arg(long)]
         not_paid: bool,
+        /// Blocks the evidence must be buried under [default: the withdrawal depth, 12].
+        #[arg(long, env = "CUSTODIAN_WITHDRAWAL_CONFIRMATIONS")]
+        confirmations: Option<u64>,
     },
 }
 

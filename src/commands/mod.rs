@@ -72,9 +72,10 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Withdrawals {
             action: Some(WithdrawalsCommand::Limit { asset, amount, approvals, daily }), ..
         } => withdraw::limit(&settings, &asset, amount.as_deref(), approvals, daily.as_deref()).await,
-        Command::Withdrawals { action: Some(WithdrawalsCommand::Resolve { id, paid_by, not_paid: _ }), .. } => {
-            withdraw::resolve(&settings, id, paid_by.as_deref()).await
-        }
+        Command::Withdrawals {
+            action: Some(WithdrawalsCommand::Resolve { id, paid_by, not_paid: _, confirmations }),
+            ..
+        } => withdraw::resolve(&settings, id, paid_by.as_deref(), confirmations).await,
         Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
         Command::Cancel { id } => withdraw::cancel(&settings, id).await,
         Command::Work { once, worker } => {

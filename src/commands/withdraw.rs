@@ -223,7 +223,9 @@ pub async fn retire(settings: &Settings, lane: &str) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>) -> Result<Exit> {
+pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>, confirmations: Option<u64>) -> Result<Exit> {
+    let confirmations =
+        confirmations.or(settings.file.withdrawals.confirmations).unwrap_or(WorkerConfig::default().confirmations);
     let node = node(settings)?;
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
@@ -232,7 +234,7 @@ pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>) -> Res
         Some(hash) => actions::Resolution::PaidBy(hash.to_owned()),
         None => actions::Resolution::NotPaid,
     };
-    let done = actions::resolve(&mut client, &node, id, &resolution, &by).await.map_err(action_error)?;
+    let done = actions::resolve(&mut client, &node, id, &resolution, confirmations, &by).await.map_err(action_error)?;
     if settings.json {
         super::print_json(&done)?;
     } else if done.paid {

@@ -448,6 +448,8 @@ async fn operator_cli(h: &Harness) -> impl Fn(Vec<String>) -> futures::future::B
         ("CUSTODIAN_DATABASE_URL".to_owned(), h.db.url.expose().to_owned()),
         ("CUSTODIAN_TOKEN".to_owned(), crate::harness::operator(&h.db).await),
         ("CUSTODIAN_ETH_RPC_URL".to_owned(), h.anvil.url.clone()),
+        // Resolutions need their evidence buried this deep (the tests' withdrawal depth).
+        ("CUSTODIAN_WITHDRAWAL_CONFIRMATIONS".to_owned(), "1".to_owned()),
     ];
     move |args: Vec<String>| {
         let env = env.clone();
@@ -527,6 +529,9 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
         "nothing written"
     );
 
+    let shallow = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --confirmations 50", w1.id))).await;
+    assert_eq!(shallow.code, 2, "evidence not yet buried: {}", shallow.stderr);
+    assert!(shallow.stderr.contains("of the 50 confirmations"), "{}", shallow.stderr);
     let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --json", w1.id))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
     assert_eq!(resolved.json()["paid"], true);

@@ -885,9 +885,12 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     // The way out: never signed, so only "not paid" applies, and it releases the hold.
     let mut client = h.db.pool.get().await.unwrap();
     let paid_by = actions::Resolution::PaidBy(format!("0x{}", "ab".repeat(32)));
-    assert!(actions::resolve(&mut client, &h.node, w.id, &paid_by, "ops").await.is_err(), "nothing can have paid it");
+    assert!(
+        actions::resolve(&mut client, &h.node, w.id, &paid_by, 1, "ops").await.is_err(),
+        "nothing can have paid it"
+    );
     let before = h.available(w.account_id).await;
-    let resolved = actions::resolve(&mut client, &h.node, w.id, &actions::Resolution::NotPaid, "ops").await.unwrap();
+    let resolved = actions::resolve(&mut client, &h.node, w.id, &actions::Resolution::NotPaid, 1, "ops").await.unwrap();
     assert!(!resolved.paid);
     assert_eq!(h.state(w.id).await, WithdrawalState::Cancelled);
     let released = before.parse::<u128>().unwrap() + w.amount.units().to::<u128>();

@@ -155,7 +155,8 @@ pub struct Resolved {
 }
 
 /// Resolves a `needs_review` withdrawal on `by`'s authority with evidence checked on chain first
-/// (outside any transaction). `PaidBy(hash)` must be mined with status 1, sent by the
+/// (outside any transaction), buried under `confirmations` blocks (the withdrawals' depth): a
+/// shallow reorg must not turn the evidence around after the hold has moved. `PaidBy(hash)` must be mined with status 1, sent by the
 /// withdrawal's hot wallet at its nonce, and pay the destination the amount (ether: the
 /// transaction's value to it; a token: its `Transfer` events); then the hold settles. `NotPaid`
 /// finds the transaction that consumed the nonce (bisecting the nonce count, then reading that
@@ -167,6 +168,7 @@ pub async fn resolve(
     node: &EthNode,
     id: i64,
     resolution: &Resolution,
+    confirmations: u64,
     by: &str,
 ) -> Result<Resolved, ActionError> {
     let by = by.trim();
@@ -223,6 +225,7 @@ pub async fn resolve(
             if !receipt.success {
                 return Err(refuse(format!("transaction {hash} failed on chain (status 0): it paid nothing")));
             }
+            buried(node, &receipt, confirmations, hash).await.map_err(|e| e.for_withdrawal(id))?;
             let paid = paid_by(&w, hot, &tx, &receipt);
             if paid != w.amount.units() {
                 return Err(refuse(format!(
@@ -263,6 +266,7 @@ pub async fn resolve(
             }
             let receipt = node.receipt(consumer.hash).await.map_err(node_error)?;
             let receipt = receipt.ok_or_else(|| refuse(format!("transaction {consumer_hash} has no receipt yet")))?;
+            buried(node, &receipt, confirmations, &consumer_hash).await.map_err(|e| e.for_withdrawal(id))?;
             if receipt.success && paid_by(&w, hot, &consumer, &receipt) == w.amount.units() {
                 return Err(refuse(format!(
                     "transaction {consumer_hash} consumed nonce {nonce} and pays the destination what the withdrawal \
@@ -322,5 +326,35 @@ fn paid_by(
         None if tx.to == Some(destination) => tx.value,
         None => alloy_primitives::U256::ZERO,
         Some(token) => token_paid(&receipt.logs, token, hot, destination),
+    }
+}
+
+/// Refuses evidence mined fewer than `confirmations` blocks deep.
+async fn buried(
+    node: &EthNode,
+    receipt: &crate::rpc::Receipt,
+    confirmations: u64,
+    hash: &str,
+) -> Result<(), ActionError> {
+    let head = node.block_number().await.map_err(|e| ActionError::Node(e.to_string()))?;
+    let depth = (head + 1).saturating_sub(receipt.block_number);
+    if depth < confirmations {
+        return Err(ActionError::Evidence {
+            id: 0,
+            reason: format!(
+                "transaction {hash} has {depth} of the {confirmations} confirmations withdrawals need; resolve it once \
+                 it is buried that deep"
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl ActionError {
+    fn for_withdrawal(self, id: i64) -> ActionError {
+        match self {
+            ActionError::Evidence { reason, .. } => ActionError::Evidence { id, reason },
+            other => other,
+        }
     }
 }
