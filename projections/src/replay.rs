@@ -250,6 +250,7 @@ with available as (
       from (select distinct on (s.deposit_key) s.account_id, s.asset, s.amount from deposit_status s
              where s.account_id is not null and not s.orphaned and s.custody_posted = 0
              order by s.deposit_key, s.height desc) u
+     where u.account_id <> all (select id from account where treasury)
      group by 1, 2
 ), rebuilt as (
     select account_id, asset, (coalesce(a.available, 0) + coalesce(h.held, 0))::text as confirmed,
@@ -421,7 +422,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         });
     }
     // What the rebuilt withdrawals hold: those still in flight.
-    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds()).collect();
+    // Customers' only: the treasury's rebalances are not a customer's held balance.
+    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds() && !w.treasury).collect();
     let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id).collect();
     let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset.clone()).collect();
     let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount.to_string()).collect();

@@ -746,6 +746,11 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
         (json!(false), Some(rebalance))
     );
     assert_eq!(ledger_balance(&h, "treasury").await, (3 * ETHER).to_string(), "held from treasury");
+    assert_eq!(
+        h.count("select count(*) from account_balance a join account t on t.id = a.account_id where t.treasury").await,
+        0,
+        "a rebalance in flight is no customer's held balance"
+    );
     let worker = h.worker(config(1));
     work_until_state(&h, &worker, false, rebalance, WithdrawalState::Confirmed).await;
     let payout = h.request(alice, "out-1", &destination(70), ETHER).await.unwrap().withdrawal;
