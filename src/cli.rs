@@ -349,6 +349,13 @@ pub enum WithdrawalsCommand {
         #[arg(long)]
         daily: Option<String>,
     },
+    /// Send the stored bytes of a withdrawal in review again (a payment reorged out deeper than
+    /// the confirmation depth), so it can mine again and be resolved --paid-by. Signs nothing.
+    Rebroadcast {
+        /// Withdrawal id.
+        #[arg(long)]
+        id: i64,
+    },
     /// Resolve a withdrawal that needs review, with evidence checked on chain: --paid-by the
     /// transaction that paid it (sent by its hot wallet at its nonce, paying its destination), or
     /// --not-paid when its nonce was consumed by something else (releases the hold).

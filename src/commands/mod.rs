@@ -72,6 +72,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Withdrawals {
             action: Some(WithdrawalsCommand::Limit { asset, amount, approvals, daily }), ..
         } => withdraw::limit(&settings, &asset, amount.as_deref(), approvals, daily.as_deref()).await,
+        Command::Withdrawals { action: Some(WithdrawalsCommand::Rebroadcast { id }), .. } => {
+            withdraw::rebroadcast(&settings, id).await
+        }
         Command::Withdrawals {
             action: Some(WithdrawalsCommand::Resolve { id, paid_by, not_paid: _, confirmations }),
             ..

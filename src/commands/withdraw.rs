@@ -223,6 +223,20 @@ pub async fn retire(settings: &Settings, lane: &str) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
+pub async fn rebroadcast(settings: &Settings, id: i64) -> Result<Exit> {
+    let node = node(settings)?;
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    super::principal(settings, &client, Scope::Admin, "withdrawals rebroadcast").await?;
+    let hash = actions::rebroadcast(&client, &node, id).await.map_err(action_error)?;
+    if settings.json {
+        super::print_json(&json!({ "withdrawal_id": id, "tx_hash": hash }))?;
+    } else {
+        println!("withdrawal {id}: sent {hash} again; once it is mined and buried, resolve it --paid-by {hash}");
+    }
+    Ok(Exit::Success)
+}
+
 pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>, confirmations: Option<u64>) -> Result<Exit> {
     let confirmations =
         confirmations.or(settings.file.withdrawals.confirmations).unwrap_or(WorkerConfig::default().confirmations);

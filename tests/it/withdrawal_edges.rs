@@ -639,8 +639,14 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash}", w.id))).await;
     assert_eq!(refused.code, 2, "not on chain: {}", refused.stderr);
     assert!(refused.stderr.contains("does not know transaction"), "{}", refused.stderr);
-    // The same bytes go out again (the node re-adds them, or an operator sends them) and mine.
-    h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&raw))])).await;
+    // The way out: the operator sends the same bytes again (nothing is signed), they mine.
+    let _ = raw;
+    let sent = cli(args(&format!("withdrawals rebroadcast --id {} --json", w.id))).await;
+    assert_eq!(sent.code, 0, "{}", sent.stderr);
+    assert_eq!(sent.json()["tx_hash"], hash.as_str());
+    let again = cli(args(&format!("withdrawals rebroadcast --id {}", w.id))).await;
+    assert_eq!(again.code, 0, "already known is sent: {}", again.stderr);
+    assert_eq!(h.count(&format!("select count(*) from withdrawal_attempt where withdrawal_id = {}", w.id)).await, 1);
     h.mine(1).await;
     let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash} --json", w.id))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);

@@ -358,3 +358,30 @@ impl ActionError {
         }
     }
 }
+
+/// Sends the stored bytes of a withdrawal in review once more: the transaction that was mined (a
+/// payment reorged out deeper than the confirmation depth), so that it can mine again and be
+/// resolved `--paid-by`. Nothing is signed and nothing is written; the node's answer is returned
+/// ("already known" counts as sent).
+pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<String, ActionError> {
+    let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState {
+            id,
+            state: w.state.as_str(),
+            message: "only a withdrawal in review is sent by hand (the worker keeps the others alive)",
+        });
+    }
+    let hash = w
+        .tx_hash
+        .clone()
+        .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
+    let attempt = sql::attempts(client, id).await?.into_iter().find(|a| a.tx_hash == hash).ok_or_else(|| {
+        ActionError::Evidence { id, reason: format!("its transaction {hash} is not one of its attempts") }
+    })?;
+    match node.send_raw(&attempt.raw).await {
+        Ok(_) => Ok(hash),
+        Err(e) if e.is_already_known() => Ok(hash),
+        Err(e) => Err(ActionError::Node(e.to_string())),
+    }
+}

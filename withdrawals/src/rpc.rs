@@ -34,6 +34,14 @@ impl NodeError {
         matches!(self, NodeError::Rpc { code, message, .. } if *code == 3 || message.to_ascii_lowercase().contains("revert"))
     }
 
+    /// The node already holds the transaction (in its pool or mined): as good as sent.
+    pub fn is_already_known(&self) -> bool {
+        let message = self.message();
+        ["already known", "known transaction", "transaction already exists", "already imported"]
+            .iter()
+            .any(|m| message.contains(m))
+    }
+
     /// The lower-cased message of an RPC error.
     pub fn message(&self) -> String {
         match self {

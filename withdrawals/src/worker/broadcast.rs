@@ -21,9 +21,6 @@ pub(super) enum Sent {
     Pending,
 }
 
-/// Answers that mean the node already holds the transaction.
-const KNOWN: [&str; 4] = ["already known", "known transaction", "transaction already exists", "already imported"];
-
 /// Answers that mean the fees are too low for the node to take the transaction at all.
 const UNDERPRICED: [&str; 5] = [
     "underpriced",
@@ -81,7 +78,7 @@ impl Worker {
             Ok(_) => Ok(Sent::Accepted),
             Err(e) => {
                 let message = e.message();
-                if KNOWN.iter().any(|m| message.contains(m)) {
+                if e.is_already_known() {
                     Ok(Sent::Accepted)
                 } else if message.contains("nonce too low") {
                     // Benign for the broadcaster (settlement decides), but outside a slot that was
