@@ -235,6 +235,19 @@ select 'withdrawal rebuilt from events missing or different in the live projecti
   from (select * from rebuilt except select * from live) r
 order by 2";
 
+/// The live `user_balance` rows against the fold of every posting ($1..$3, customer accounts).
+const USER_BALANCE_DIFF: &str = "
+with folded as (
+    select a as ledger_account, s as asset, n::numeric as balance
+      from unnest($1::text[], $2::text[], $3::text[]) as u(a, s, n) where a like 'user:%'
+)
+select coalesce(l.ledger_account, f.ledger_account), coalesce(l.asset, f.asset),
+       coalesce(l.balance::text, 'no row'), coalesce(f.balance::text, 'nothing')
+  from user_balance l full join folded f using (ledger_account, asset)
+ where l.balance is distinct from f.balance
+   and not (l.ledger_account is null and f.balance = 0)
+ order by 1, 2";
+
 /// Every column of the live `account_balance` view against the rebuild: available from the fold
 /// of postings ($1..$3), held from the rebuilt withdrawals ($4..$6), confirmed their sum, pending
 /// from the canonical observations whose key holds nothing.
@@ -465,6 +478,20 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         report
             .differences
             .push(Difference { check: "balances", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
+    }
+
+    // The balance projection the request path reads, against the same fold.
+    for row in tx.query(USER_BALANCE_DIFF, &[&accounts, &assets, &nets]).await? {
+        report.differences.push(Difference {
+            check: "user balances",
+            detail: format!(
+                "{} {}: user_balance says {}, the postings sum to {}",
+                cell(&row, 0),
+                cell(&row, 1),
+                cell(&row, 2),
+                cell(&row, 3)
+            ),
+        });
     }
 
     // The posting set and the invariants.

@@ -190,3 +190,17 @@ async fn a_fee_edited_consistently_in_its_event_and_postings_is_named() {
     .await;
     names(&h.db, "fact seals", "withdrawal_confirmed fact was changed");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_row_the_request_path_reads_that_disagrees_with_the_postings_is_named() {
+    let (db, _sim, _txid) = deposits().await;
+    // The service may read the projection, never write it: only the ledger's trigger does.
+    let service = db.pool.get().await.unwrap();
+    let refused = service.execute("update user_balance set balance = balance + 1", &[]).await;
+    assert!(refused.is_err(), "the service cannot write user_balance");
+    let balance: String =
+        service.query_one("select balance::text from user_balance where asset = 'BTC'", &[]).await.unwrap().get(0);
+    assert_eq!(balance, "3000000", "kept by the postings' own transaction");
+    owner_runs(&db, "update user_balance set balance = balance + 500000000 where asset = 'BTC'").await;
+    names(&db, "user balances", "user_balance says 503000000, the postings sum to 3000000");
+}

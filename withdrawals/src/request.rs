@@ -195,10 +195,12 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
     if let Some(found) = existing(&tx, request).await? {
         return Ok(found);
     }
+    // One row, kept by the ledger in the same transaction as the postings it sums: not
+    // proportional to the account's history (V29's user_balance).
     let available: String = tx
         .query_one(
-            "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
-               from ledger_posting where ledger_account = 'user:' || $1::bigint and asset = $2",
+            "select coalesce((select balance from user_balance
+                               where ledger_account = 'user:' || $1::bigint and asset = $2), 0)::text",
             &[&request.account_id, &request.asset],
         )
         .await?
