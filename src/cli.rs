@@ -129,6 +129,10 @@ pub enum Command {
         #[arg(long)]
         account: Option<String>,
     },
+    /// The ledger against the chain, per asset: custody against what our addresses hold at our
+    /// tip (less what is observed and not yet credited), and what customers are owed against
+    /// custody. Exit 3 with each difference named.
+    Reconcile,
     /// Rebuild every projection from the appended facts and compare (exit 3 on any difference).
     Replay {
         /// Compare the rebuilt projections with the live ones and check the invariants.

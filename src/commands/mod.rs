@@ -6,6 +6,7 @@ mod demo;
 mod deposits;
 mod ledger;
 mod migrate;
+mod reconcile;
 mod scan;
 mod serve;
 mod status;
@@ -49,6 +50,7 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         }
         Command::Balances { account } => ledger::balances(&settings, account.as_deref()).await,
         Command::Replay { verify } => audit::replay(&settings, verify).await,
+        Command::Reconcile => reconcile::reconcile(&settings).await,
         Command::Events { from, limit } => audit::events(&settings, from, limit).await,
         Command::HotWallet(HotWalletCommand::Add { chain, key_file, lane }) => {
             withdraw::hot_wallet_add(&settings, chain, &key_file, lane.as_deref()).await

@@ -120,8 +120,17 @@ async fn a_btc_hot_wallet_from_a_bip84_account_key_is_funded_from_outside_and_cr
         (lane["chain"].clone(), lane["spendable"].clone(), lane["coins"].clone()),
         (serde_json::json!("btc"), serde_json::json!("50000000"), serde_json::json!(1))
     );
-    let verified = run(env, &["replay", "--verify"]).await;
+    let verified = run(env.clone(), &["replay", "--verify"]).await;
     assert_eq!(verified.code, 0, "{}{}", verified.stdout, verified.stderr);
+    // The chain holds both coins; the ledger holds the top-up and knows the earlier payment as an
+    // observation it never credited (the address was not ours yet): nothing unexplained.
+    let reconciled = run(env, &["reconcile", "--json"]).await;
+    assert_eq!(reconciled.code, 0, "{}{}", reconciled.stdout, reconciled.stderr);
+    let btc = reconciled.json()["assets"].as_array().unwrap().iter().find(|a| a["asset"] == "BTC").cloned().unwrap();
+    assert_eq!(
+        (btc["chain"].as_str(), btc["custody"].as_str(), btc["uncredited"].as_str(), btc["difference"].as_str()),
+        (Some("50007000"), Some("50000000"), Some("7000"), Some("0"))
+    );
 }
 
 /// A fresh directory for key files, removed with the process's temporary files.

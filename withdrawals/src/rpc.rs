@@ -263,6 +263,16 @@ impl EthNode {
         self.call("eth_call", (json!({"from": from, "to": to, "value": value, "data": data}), "latest")).await
     }
 
+    /// `eth_getBalance` at block `number`, wei.
+    pub async fn balance_at(&self, address: Address, number: u64) -> Result<U256, NodeError> {
+        self.call("eth_getBalance", (address, format!("0x{number:x}"))).await
+    }
+
+    /// `eth_call` at block `number`: what the call returns.
+    pub async fn call_at(&self, to: Address, data: &Bytes, number: u64) -> Result<Bytes, NodeError> {
+        self.call("eth_call", (json!({"to": to, "data": data}), format!("0x{number:x}"))).await
+    }
+
     /// `eth_getBalance` at the latest block, wei.
     pub async fn balance(&self, address: Address) -> Result<U256, NodeError> {
         self.call("eth_getBalance", (address, "latest")).await

@@ -1,0 +1,181 @@
+//! `custodian reconcile`: the ledger against the chain (DESIGN §9). Per asset, what the ledger says
+//! we hold (`custody`) against what the chain says our addresses hold at our tip — ETH: the
+//! balance and every registered token's `balanceOf` of every hot wallet and deposit address at
+//! our tip's block; BTC: the unspent outputs we observed — less what the chain holds that the
+//! ledger has not credited yet (canonical observations not posted: pending deposits, or money that
+//! arrived before an address was ours); and what we owe customers (available plus held) against
+//! custody. Exit 0 when everything is equal, 3 with each difference named.
+
+use anyhow::{Context, Result};
+use custodian_domain::Chain;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::exit::Exit;
+use crate::settings::Settings;
+
+/// One asset's figures, in smallest units.
+#[derive(Debug, Serialize)]
+struct AssetLine {
+    asset: String,
+    /// What the chain says our addresses hold.
+    chain: String,
+    /// The ledger's `custody`.
+    custody: String,
+    /// Observed on our canonical chain, not credited: the chain holds it, the ledger does not yet.
+    uncredited: String,
+    /// chain − custody − uncredited.
+    difference: String,
+    /// What customers are owed: available plus held.
+    owed: String,
+    /// custody − owed: the treasury's own (negative: we owe more than we hold).
+    surplus: String,
+}
+
+fn sub(a: i128, b: i128) -> i128 {
+    a.checked_sub(b).expect("BUG: a balance beyond i128")
+}
+
+fn parse(text: &str) -> i128 {
+    text.parse().expect("BUG: the database returned a non-integer amount")
+}
+
+pub async fn reconcile(settings: &Settings) -> Result<Exit> {
+    let pool = super::pool(settings).await?;
+    let client = pool.get().await?;
+    // What the ledger says, per asset: custody, uncredited observations, and what is owed.
+    let rows = client
+        .query(
+            "with custody as (
+                 select asset, sum(case direction when 'debit' then amount else -amount end) as custody
+                   from ledger_posting where ledger_account = 'custody' group by asset
+             ), uncredited as (
+                 select s.asset, sum(s.amount) as uncredited
+                   from (select distinct on (deposit_key) asset, amount, custody_posted, orphaned
+                           from deposit_status order by deposit_key, orphaned, height desc) s
+                  where not s.orphaned and s.custody_posted = 0
+                  group by s.asset
+             ), owed as (
+                 select asset, sum(available + held) as owed from account_balance group by asset
+             )
+             select a.chain, a.asset, a.contract, coalesce(c.custody, 0)::text, coalesce(u.uncredited, 0)::text,
+                    coalesce(o.owed, 0)::text
+               from asset a
+               left join custody c using (asset) left join uncredited u using (asset) left join owed o using (asset)
+              order by a.chain, a.asset",
+            &[],
+        )
+        .await?;
+    let mut lines = Vec::new();
+    let mut skipped = Vec::new();
+    let eth_tip: Option<i64> = client
+        .query_one("select max(height) from chain_block where chain = 'eth' and orphaned_at is null", &[])
+        .await?
+        .get(0);
+    let eth_addresses: Vec<String> = client
+        .query(
+            "select address from wallet_address where chain = 'eth' union select address from hot_wallet where chain = 'eth'
+              order by 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let btc_held: String = client
+        .query_one("select coalesce(sum(amount), 0)::text from unspent_output where chain = 'btc'", &[])
+        .await?
+        .get(0);
+    drop(client);
+    let node = match (&settings.eth_rpc, eth_tip) {
+        (Some(url), Some(_)) => Some(
+            custodian_withdrawals::EthNode::with_timeout(url, settings.eth_rpc_timeout)
+                .map_err(|e| crate::exit::invalid(e.to_string()))?,
+        ),
+        _ => None,
+    };
+    for row in rows {
+        let (chain, asset, contract): (String, String, Option<String>) = (row.get(0), row.get(1), row.get(2));
+        let (custody, uncredited, owed) = (parse(row.get(3)), parse(row.get(4)), parse(row.get(5)));
+        let held = match chain.parse::<Chain>().map_err(|e| anyhow::anyhow!(e))? {
+            Chain::Btc => parse(&btc_held),
+            Chain::Eth => {
+                let (Some(node), Some(tip)) = (&node, eth_tip) else {
+                    skipped.push(format!("{asset}: no Ethereum node configured (--eth-rpc) or nothing scanned yet"));
+                    continue;
+                };
+                let tip = u64::try_from(tip).expect("BUG: a negative height");
+                let mut sum = alloy_primitives::U256::ZERO;
+                for address in &eth_addresses {
+                    let parsed: alloy_primitives::Address = address.parse().expect("BUG: a stored address");
+                    let balance = match &contract {
+                        None => node.balance_at(parsed, tip).await,
+                        Some(token) => {
+                            let call = custodian_withdrawals::payout::balance_of_call(
+                                token.parse().expect("BUG: a stored contract"),
+                                parsed,
+                            );
+                            node.call_at(call.to, &call.data, tip)
+                                .await
+                                .map(|out| custodian_withdrawals::payout::returned_u256(&out).unwrap_or_default())
+                        }
+                    }
+                    .with_context(|| format!("reading {asset} held by {address} at block {tip}"))?;
+                    sum = sum.saturating_add(balance);
+                }
+                i128::try_from(sum).expect("BUG: a balance beyond i128")
+            }
+        };
+        lines.push(AssetLine {
+            asset,
+            chain: held.to_string(),
+            custody: custody.to_string(),
+            uncredited: uncredited.to_string(),
+            difference: sub(sub(held, custody), uncredited).to_string(),
+            owed: owed.to_string(),
+            surplus: sub(custody, owed).to_string(),
+        });
+    }
+    // A difference: the chain and the ledger disagree, or customers are owed more than we hold.
+    let differences: Vec<String> = lines
+        .iter()
+        .filter(|l| l.difference != "0" || l.surplus.starts_with('-'))
+        .map(|l| {
+            if l.difference != "0" {
+                format!(
+                    "{}: the chain holds {} at our addresses, the ledger's custody is {} with {} observed and not yet \
+                     credited: {} unexplained",
+                    l.asset, l.chain, l.custody, l.uncredited, l.difference
+                )
+            } else {
+                format!("{}: customers are owed {}, custody is {}", l.asset, l.owed, l.custody)
+            }
+        })
+        .collect();
+    for line in &lines {
+        metrics::gauge!("custodian_reconciliation_difference", "asset" => line.asset.clone())
+            .set(if line.difference == "0" { 0.0 } else { 1.0 });
+    }
+    if settings.json {
+        super::print_json(&json!({
+            "reconciled": differences.is_empty(),
+            "assets": lines,
+            "differences": differences,
+            "skipped": skipped,
+        }))?;
+    } else {
+        for l in &lines {
+            println!(
+                "{:<10} chain {:>24}  custody {:>24}  uncredited {:>18}  difference {:>12}  owed {:>24}",
+                l.asset, l.chain, l.custody, l.uncredited, l.difference, l.owed
+            );
+        }
+        for s in &skipped {
+            println!("SKIPPED {s}");
+        }
+        for d in &differences {
+            println!("DIFFERENCE {d}");
+        }
+    }
+    Ok(if differences.is_empty() { Exit::Success } else { Exit::Verification })
+}
