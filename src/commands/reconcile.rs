@@ -40,8 +40,51 @@ fn parse(text: &str) -> i128 {
     text.parse().expect("BUG: the database returned a non-integer amount")
 }
 
+/// What one reconciliation found.
+#[derive(Debug, Serialize)]
+pub struct Reconciliation {
+    assets: Vec<AssetLine>,
+    /// Each difference, named.
+    pub differences: Vec<String>,
+    /// Assets that could not be read (no node configured, nothing scanned yet).
+    pub skipped: Vec<String>,
+}
+
 pub async fn reconcile(settings: &Settings) -> Result<Exit> {
     let pool = super::pool(settings).await?;
+    let Reconciliation { assets: lines, differences, skipped } =
+        run(settings.eth_rpc.as_deref(), settings.eth_rpc_timeout, &pool).await?;
+    if settings.json {
+        super::print_json(&json!({
+            "reconciled": differences.is_empty(),
+            "assets": lines,
+            "differences": differences,
+            "skipped": skipped,
+        }))?;
+    } else {
+        for l in &lines {
+            println!(
+                "{:<10} chain {:>24}  custody {:>24}  uncredited {:>18}  difference {:>12}  owed {:>24}",
+                l.asset, l.chain, l.custody, l.uncredited, l.difference, l.owed
+            );
+        }
+        for s in &skipped {
+            println!("SKIPPED {s}");
+        }
+        for d in &differences {
+            println!("DIFFERENCE {d}");
+        }
+    }
+    Ok(if differences.is_empty() { Exit::Success } else { Exit::Verification })
+}
+
+/// Reconciles once and sets `custodian_reconciliation_difference{asset}` (1 when the asset's
+/// chain and ledger disagree, 0 when equal). Used by the command and, periodically, by `serve`.
+pub async fn run(
+    eth_rpc: Option<&str>,
+    eth_rpc_timeout: std::time::Duration,
+    pool: &custodian_store::Pool,
+) -> Result<Reconciliation> {
     let client = pool.get().await?;
     // What the ledger says, per asset: custody, uncredited observations, and what is owed.
     let rows = client
@@ -87,9 +130,9 @@ pub async fn reconcile(settings: &Settings) -> Result<Exit> {
         .await?
         .get(0);
     drop(client);
-    let node = match (&settings.eth_rpc, eth_tip) {
+    let node = match (eth_rpc, eth_tip) {
         (Some(url), Some(_)) => Some(
-            custodian_withdrawals::EthNode::with_timeout(url, settings.eth_rpc_timeout)
+            custodian_withdrawals::EthNode::with_timeout(url, eth_rpc_timeout)
                 .map_err(|e| crate::exit::invalid(e.to_string()))?,
         ),
         _ => None,
@@ -104,7 +147,9 @@ pub async fn reconcile(settings: &Settings) -> Result<Exit> {
                     skipped.push(format!("{asset}: no Ethereum node configured (--eth-rpc) or nothing scanned yet"));
                     continue;
                 };
-                let tip = u64::try_from(tip).expect("BUG: a negative height");
+                // Our tip, or the node's if it is behind ours (it cannot answer for blocks it lacks).
+                let node_tip = node.block_number().await.context("reading the Ethereum node's tip")?;
+                let tip = u64::try_from(tip).expect("BUG: a negative height").min(node_tip);
                 let mut sum = alloy_primitives::U256::ZERO;
                 for address in &eth_addresses {
                     let parsed: alloy_primitives::Address = address.parse().expect("BUG: a stored address");
@@ -156,26 +201,5 @@ pub async fn reconcile(settings: &Settings) -> Result<Exit> {
         metrics::gauge!("custodian_reconciliation_difference", "asset" => line.asset.clone())
             .set(if line.difference == "0" { 0.0 } else { 1.0 });
     }
-    if settings.json {
-        super::print_json(&json!({
-            "reconciled": differences.is_empty(),
-            "assets": lines,
-            "differences": differences,
-            "skipped": skipped,
-        }))?;
-    } else {
-        for l in &lines {
-            println!(
-                "{:<10} chain {:>24}  custody {:>24}  uncredited {:>18}  difference {:>12}  owed {:>24}",
-                l.asset, l.chain, l.custody, l.uncredited, l.difference, l.owed
-            );
-        }
-        for s in &skipped {
-            println!("SKIPPED {s}");
-        }
-        for d in &differences {
-            println!("DIFFERENCE {d}");
-        }
-    }
-    Ok(if differences.is_empty() { Exit::Success } else { Exit::Verification })
+    Ok(Reconciliation { assets: lines, differences, skipped })
 }

@@ -169,6 +169,7 @@ pub async fn run(
         tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone(), broken.clone()));
     }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
+    tasks.spawn(reconcile(settings.eth_rpc.clone(), settings.eth_rpc_timeout, pool.clone(), stopped.clone()));
     let parts = Parts { warnings, broken, scanners };
     tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(parts), stopped.clone()));
     let mut api_stopped = stopped.clone();
@@ -224,6 +225,45 @@ async fn work(
         let reason = format!("the withdrawal worker stopped: {e}");
         broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
         anyhow::bail!(reason);
+    }
+    Ok(())
+}
+
+/// How often `serve` reconciles the ledger with the chain.
+const RECONCILE_INTERVAL: Duration = Duration::from_secs(300);
+/// How soon a reconciliation that could not read everything (or failed) is tried again.
+const RECONCILE_RETRY: Duration = Duration::from_secs(5);
+
+/// `custodian reconcile` every [`RECONCILE_INTERVAL`]: its result is the
+/// `custodian_reconciliation_difference{asset}` gauges, and each difference an alert.
+async fn reconcile(
+    eth_rpc: Option<String>,
+    eth_rpc_timeout: Duration,
+    pool: Pool,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<()> {
+    while !*stopped.borrow() {
+        // Soon again while an asset could not be read yet (its chain not scanned yet, say).
+        let wait = match super::reconcile::run(eth_rpc.as_deref(), eth_rpc_timeout, &pool).await {
+            Ok(found) => {
+                for difference in &found.differences {
+                    tracing::error!("ALERT: reconciliation: {difference}");
+                }
+                if found.skipped.is_empty() {
+                    RECONCILE_INTERVAL
+                } else {
+                    RECONCILE_RETRY
+                }
+            }
+            Err(e) => {
+                tracing::warn!("reconciling the ledger with the chain failed; tried again soon: {e:#}");
+                RECONCILE_RETRY
+            }
+        };
+        tokio::select! {
+            _ = stopped.changed() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
     }
     Ok(())
 }
