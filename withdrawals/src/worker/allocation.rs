@@ -327,33 +327,35 @@ impl Worker {
     /// Records (or clears, with `None`) what the lane is short of; the start of a shortage is an
     /// alert, its end a notice.
     async fn set_shortage(&self, lane: &Lane, shortage: Option<String>) -> Result<(), WorkError> {
-        let client = self.pool.get().await?;
-        let before: Option<String> = client
-            .query_one("select shortage from hot_wallet where chain = 'eth' and lane = $1", &[&lane.lane])
+        // One statement under the lane row's lock: of two workers seeing the same shortage, one
+        // records (and alerts) it, the other finds it recorded.
+        let changed = self
+            .pool
+            .get()
             .await?
-            .get(0);
-        if before != shortage {
-            client
-                .execute(
-                    "update hot_wallet set shortage = $2,
-                            shortage_since = case when $2::text is null then null else coalesce(shortage_since, now()) end
-                      where chain = 'eth' and lane = $1",
-                    &[&lane.lane, &shortage],
-                )
-                .await?;
-        }
+            .query_opt(
+                "with old as (select shortage from hot_wallet where chain = 'eth' and lane = $1 for update)
+                 update hot_wallet h set shortage = $2,
+                        shortage_since = case when $2::text is null then null else coalesce(h.shortage_since, now()) end
+                   from old
+                  where h.chain = 'eth' and h.lane = $1 and h.shortage is distinct from $2
+                 returning old.shortage",
+                &[&lane.lane, &shortage],
+            )
+            .await?;
+        let before: Option<Option<String>> = changed.map(|row| row.get(0));
         metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(if shortage.is_some() {
             1.0
         } else {
             0.0
         });
         match (&before, &shortage) {
-            (None, Some(reason)) => {
+            (Some(None), Some(reason)) => {
                 metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
                 tracing::error!(lane = %lane.lane, %reason,
                     "ALERT: the hot wallet is short; its withdrawals wait until it is topped up");
             }
-            (Some(_), None) => tracing::info!(lane = %lane.lane, "the hot wallet's shortage is over"),
+            (Some(Some(_)), None) => tracing::info!(lane = %lane.lane, "the hot wallet's shortage is over"),
             _ => {}
         }
         Ok(())
