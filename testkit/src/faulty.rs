@@ -62,8 +62,9 @@ impl Schedule {
     }
 }
 
-/// SplitMix64: small, fast, and the same on every machine.
-fn next(state: &mut u64) -> u64 {
+/// SplitMix64: small, fast, and the same on every machine. Tests draw their own seeded decisions
+/// from it too.
+pub fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -156,7 +157,7 @@ impl State {
                 method.bytes().for_each(|b| s = s.rotate_left(8) ^ u64::from(b));
                 s
             });
-            next(stream) % 1000
+            splitmix(stream) % 1000
         } as u32;
         let mut threshold = 0;
         for (fault, per_mille) in faults {

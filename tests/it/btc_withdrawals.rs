@@ -9,12 +9,10 @@ use custodian_testkit::{BitcoinSim, TestDb};
 
 use crate::lifecycle::{btc_env, run, scan};
 
-/// BIP-39 seed of the BIP-84 test vector's mnemonic ("abandon … about"), empty passphrase.
-const SEED: &str = "5eb00bbddcf069084889a8ab9155568165f5c453ccb85e70811aaed6f6da5fc19a5ac40b389cd370d086206dec8aa6c43daea6690f20ad3d8d48b2d2ce9e38e4";
-
-/// The regtest account key m/84'/1'/`account`' of that seed, as `tprv`.
+/// The regtest account key m/84'/1'/`account`' of the BIP-84 test vector's mnemonic, as `tprv`.
 fn account_key(account: u32) -> Xpriv {
-    let seed: Vec<u8> = (0..SEED.len()).step_by(2).map(|i| u8::from_str_radix(&SEED[i..i + 2], 16).unwrap()).collect();
+    let words = ["abandon"; 11].join(" ") + " about";
+    let seed = custodian_testkit::fixtures::bip39_seed(&words);
     let master = Xpriv::new_master(bitcoin::Network::Regtest, &seed).unwrap();
     master.derive_priv(&Secp256k1::new(), &DerivationPath::from_str(&format!("m/84'/1'/{account}'")).unwrap()).unwrap()
 }

@@ -15,31 +15,21 @@ use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_testkit::faulty::{Fault, FaultyRpc, Schedule};
+use custodian_testkit::faulty::{splitmix, Fault, FaultyRpc, Schedule};
 use custodian_withdrawals::{hot_wallet, sql, WorkerConfig};
 use serde_json::{json, Value};
 
-use crate::withdrawals::{Harness, ETHER};
+use crate::withdrawals::{Harness, ETHER, LANE_KEYS};
 
-/// anvil's dev keys 1 and 2: lanes a and b, as in the withdrawal harness.
-const KEYS: [(&str, &str); 2] = [
-    ("A", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
-    ("B", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
-];
 const REQUESTS: u64 = 40;
 const KILLS: u64 = 50;
 
-/// SplitMix64, seeded: the test's own decisions.
+/// The test's own seeded decisions (SplitMix64, as the proxy's).
 struct Rng(Mutex<u64>);
 
 impl Rng {
     fn below(&self, n: u64) -> u64 {
-        let mut state = self.0.lock().unwrap();
-        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) % n.max(1)
+        splitmix(&mut self.0.lock().unwrap()) % n.max(1)
     }
 }
 
@@ -113,8 +103,8 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
         ("CUSTODIAN_ETH_RPC_TIMEOUT_MS".into(), "1000".into()),
         ("CUSTODIAN_LOG".into(), "warn".into()),
     ];
-    for (lane, key) in KEYS {
-        env.push((format!("CUSTODIAN_HOT_KEY_{lane}"), key.into()));
+    for (lane, key) in LANE_KEYS {
+        env.push((format!("CUSTODIAN_HOT_KEY_{}", lane.to_ascii_uppercase()), key.into()));
     }
     let done = Arc::new(AtomicBool::new(false));
     let chaos_on = Arc::new(AtomicBool::new(true));

@@ -12,11 +12,7 @@ use custodian_withdrawals::request::{self, Request};
 use custodian_withdrawals::{actions, hot_wallet, sql, Worker, WorkerConfig};
 use serde_json::{json, Value};
 
-use crate::withdrawals::{Harness, ETHER, FUNDER};
-
-fn config(confirmations: u64) -> WorkerConfig {
-    WorkerConfig { confirmations, bump_after_blocks: 2, ..WorkerConfig::default() }
-}
+use crate::withdrawals::{config, Harness, ETHER, FUNDER};
 
 fn destination(i: u64) -> String {
     format!("0x{:040x}", 0x5eed_0000u64 + i)
@@ -108,6 +104,18 @@ async fn mined(h: &Harness, hash: &Value) -> Value {
         (!r.is_null()).then_some(r)
     })
     .await
+}
+
+/// The projection's `stuck_at_cap` flag of withdrawal `id`.
+async fn stuck_at_cap(h: &Harness, id: i64) -> bool {
+    h.db.pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("select stuck_at_cap from withdrawal where id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 async fn lane_of(h: &Harness, id: i64) -> hot_wallet::Lane {
@@ -413,15 +421,7 @@ async fn reaching_the_fee_cap_is_alerted_once_and_shown_as_stuck_at_cap() {
     h.mine(2).await;
     let report = worker.pass().await.unwrap();
     assert_eq!((report.bumped, report.fee_cap_reached), (0, 1), "{report:?}");
-    let stuck: bool =
-        h.db.pool
-            .get()
-            .await
-            .unwrap()
-            .query_one("select stuck_at_cap from withdrawal where id = $1", &[&w.id])
-            .await
-            .unwrap()
-            .get(0);
+    let stuck = stuck_at_cap(&h, w.id).await;
     assert!(stuck, "visible on the withdrawal");
     h.mine(1).await;
     assert_eq!(worker.pass().await.unwrap().fee_cap_reached, 0, "alerted once, not every pass");
@@ -429,15 +429,7 @@ async fn reaching_the_fee_cap_is_alerted_once_and_shown_as_stuck_at_cap() {
     // Once the cap is raised the bump goes out and the flag clears.
     let raised = h.worker(config(1));
     work_until_state(&h, &raised, true, w.id, WithdrawalState::Confirmed).await;
-    let stuck: bool =
-        h.db.pool
-            .get()
-            .await
-            .unwrap()
-            .query_one("select stuck_at_cap from withdrawal where id = $1", &[&w.id])
-            .await
-            .unwrap()
-            .get(0);
+    let stuck = stuck_at_cap(&h, w.id).await;
     assert!(!stuck);
     h.verify().await;
 }

@@ -17,7 +17,7 @@ use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Sign
 use serde_json::{json, Value};
 
 /// anvil's dev keys 1 and 2 are the two hot wallets (lanes a and b); key 0 funds everything.
-const LANE_KEYS: [(&str, &str); 2] = [
+pub const LANE_KEYS: [(&str, &str); 2] = [
     ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
     ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
 ];
@@ -141,7 +141,7 @@ impl Harness {
     }
 }
 
-fn config(confirmations: u64) -> WorkerConfig {
+pub fn config(confirmations: u64) -> WorkerConfig {
     WorkerConfig { confirmations, bump_after_blocks: 2, ..WorkerConfig::default() }
 }
 

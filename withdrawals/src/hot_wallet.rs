@@ -113,17 +113,7 @@ pub async fn add(
         }
         return Err(HotWalletError::Taken { lane: lane.to_owned(), address: address.to_owned() });
     }
-    // A hot wallet is treasury's: an address a customer's deposits go to cannot be one.
-    let owner = tx
-        .query_opt(
-            "select a.external_ref from wallet_address w join account a on a.id = w.account_id
-              where w.chain = 'eth' and w.address = $1 and not a.treasury limit 1",
-            &[&address],
-        )
-        .await?;
-    if let Some(owner) = owner {
-        return Err(HotWalletError::CustomerAddress { address: address.to_owned(), account: owner.get(0) });
-    }
+    refuse_customer_address(&tx, "eth", address).await?;
     let local: Option<i64> = tx
         .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
         .await?
@@ -134,15 +124,7 @@ pub async fn add(
         &[&address, &lane, &next],
     )
     .await?;
-    // Watched from the next block: what arrives from outside is a top-up, credited to treasury
-    // (what the address held before registration is not custody until it is deposited).
-    let watched_from = i64::try_from(tip + 1).expect("BUG: height beyond i64");
-    tx.execute(
-        "insert into wallet_address (chain, address, account_id, valid_from_height)
-         select 'eth', $1, id, $2 from account where treasury",
-        &[&address, &watched_from],
-    )
-    .await?;
+    let watched_from = watch_as_treasury(&tx, "eth", address, tip).await?;
     let details = serde_json::json!({
         "chain": "eth", "lane": lane, "address": address, "next_nonce": next, "watched_from_height": watched_from,
     });
@@ -389,16 +371,7 @@ pub async fn add_btc(
             false
         }
         None => {
-            let owner = tx
-                .query_opt(
-                    "select a.external_ref from wallet_address w join account a on a.id = w.account_id
-                      where w.chain = 'btc' and w.address = $1 and not a.treasury limit 1",
-                    &[&address],
-                )
-                .await?;
-            if let Some(owner) = owner {
-                return Err(HotWalletError::CustomerAddress { address, account: owner.get(0) });
-            }
+            refuse_customer_address(&tx, "btc", &address).await?;
             tx.execute(
                 "insert into hot_wallet (chain, address, lane, next_nonce) values ('btc', $1, $2, 0)",
                 &[&address, &lane],
@@ -409,13 +382,7 @@ pub async fn add_btc(
                 &[&lane, &address, &xpub],
             )
             .await?;
-            let watched_from = i64::try_from(tip + 1).expect("BUG: height beyond i64");
-            tx.execute(
-                "insert into wallet_address (chain, address, account_id, valid_from_height)
-                 select 'btc', $1, id, $2 from account where treasury",
-                &[&address, &watched_from],
-            )
-            .await?;
+            let watched_from = watch_as_treasury(&tx, "btc", &address, tip).await?;
             let details = serde_json::json!({
                 "chain": "btc", "lane": lane, "address": address, "watched_from_height": watched_from,
             });
@@ -426,4 +393,43 @@ pub async fn add_btc(
     let lane = btc_lanes(&tx).await?.into_iter().find(|l| l.lane == lane).expect("BUG: the lane was just read");
     tx.commit().await?;
     Ok((lane, created))
+}
+
+/// Refuses `address` as a hot wallet if it is (or was) a customer's deposit address: a hot
+/// wallet is the treasury's alone, or its top-ups would be credited to that customer.
+async fn refuse_customer_address(
+    tx: &deadpool_postgres::Transaction<'_>,
+    chain: &str,
+    address: &str,
+) -> Result<(), HotWalletError> {
+    let owner = tx
+        .query_opt(
+            "select a.external_ref from wallet_address w join account a on a.id = w.account_id
+              where w.chain = $1 and w.address = $2 and not a.treasury limit 1",
+            &[&chain, &address],
+        )
+        .await?;
+    match owner {
+        Some(owner) => Err(HotWalletError::CustomerAddress { address: address.to_owned(), account: owner.get(0) }),
+        None => Ok(()),
+    }
+}
+
+/// Watches `address` as the treasury's from the block after `tip`: what arrives from outside is a
+/// top-up, credited to treasury (what it held before registration is not custody). Returns the
+/// first watched height.
+async fn watch_as_treasury(
+    tx: &deadpool_postgres::Transaction<'_>,
+    chain: &str,
+    address: &str,
+    tip: u64,
+) -> Result<i64, HotWalletError> {
+    let watched_from = i64::try_from(tip + 1).expect("BUG: height beyond i64");
+    tx.execute(
+        "insert into wallet_address (chain, address, account_id, valid_from_height)
+         select $1, $2, id, $3 from account where treasury",
+        &[&chain, &address, &watched_from],
+    )
+    .await?;
+    Ok(watched_from)
 }

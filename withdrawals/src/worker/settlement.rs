@@ -265,14 +265,15 @@ fn outcome(
     let tx_hash = mined.tx_hash.clone();
     let tx = payout::decode(&mined.raw);
     match classify(&tx, &payout_call(w), &cancel_call(hot_wallet)) {
-        Some(intent) if intent != mined.intent => {
-            // A label recorded before intents were (a bump of a cancel was once called a bump):
-            // the bytes decide, and the disagreement is logged.
-            tracing::warn!(withdrawal = w.id, %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
-                "the mined attempt's recorded intent disagrees with its bytes; settled by the bytes");
+        Some(intent) => {
+            if intent != mined.intent {
+                // A label recorded before intents were (a bump of a cancel was once called a
+                // bump): the bytes decide, and the disagreement is logged.
+                tracing::warn!(withdrawal = w.id, %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
+                    "the mined attempt's recorded intent disagrees with its bytes; settled by the bytes");
+            }
             settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt)
         }
-        Some(intent) => settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt),
         None => {
             let reason = format!(
                 "attempt {tx_hash} mined, but its bytes pay neither the withdrawal ({}) nor a cancel",
