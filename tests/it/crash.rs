@@ -85,6 +85,21 @@ async fn resume_funds_pauses(h: &Harness) {
     }
 }
 
+/// Request `i`, as a client does: a lane paused by the injected "insufficient funds" refuses it
+/// (nothing written) until the operator resumes the lane, so the client sends it again.
+async fn request(h: &Harness, alice: i64, i: u64, amount: u128) -> custodian_withdrawals::Requested {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match h.request(alice, &format!("crash-{i}"), &destination(i), amount).await {
+            Ok(requested) => return requested,
+            Err(custodian_withdrawals::RequestError::LanePaused { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("request {i}: {e}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_exactly_once() {
     let seed = std::env::var("CUSTODIAN_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
@@ -162,8 +177,8 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
             let mut ids = Vec::new();
             for i in 0..REQUESTS {
                 let amount = (1 + rng.below(50)) as u128 * ETHER / 100;
-                let first = h.request(alice, &format!("crash-{i}"), &destination(i), amount).await.unwrap();
-                let again = h.request(alice, &format!("crash-{i}"), &destination(i), amount).await.unwrap();
+                let first = request(&h, alice, i, amount).await;
+                let again = request(&h, alice, i, amount).await;
                 assert!(first.created && !again.created, "the second send is the same request");
                 assert_eq!(first.withdrawal.id, again.withdrawal.id);
                 ids.push((first.withdrawal.id, destination(i), amount));
