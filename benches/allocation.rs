@@ -21,7 +21,7 @@ use custodian_domain::{Amount, EthAddress};
 use custodian_store::Pool;
 use custodian_testkit::TestDb;
 use custodian_withdrawals::hot_wallet::{self, Lane};
-use custodian_withdrawals::request::{self, Request};
+use custodian_withdrawals::request::{self, Destination, Request};
 use custodian_withdrawals::sql;
 use custodian_withdrawals::worker::Pricing;
 use custodian_withdrawals::{EthNode, LocalSigner, Signer, Worker, WorkerConfig};
@@ -85,7 +85,7 @@ async fn setup(lanes: usize, withdrawals: u64) -> Setup {
             account_id: 1,
             external_id: format!("bench-{n}"),
             asset: "ETH".into(),
-            destination: EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap(),
+            destination: Destination::Eth(EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap()),
             amount: Amount::from_u64(1_000 + n),
             requested_by: "bench".into(),
         };

@@ -74,6 +74,23 @@ pub struct BtcConfig {
     pub network: Option<String>,
     /// Account-level xpub/zpub (m/84'/0'/0') deposit addresses are derived from.
     pub deposit_xpub: Option<String>,
+    /// Per BTC lane, the file holding its account-level extended private key (owner-only).
+    #[serde(default)]
+    pub hot_key_files: std::collections::BTreeMap<String, PathBuf>,
+    /// Withdrawals one BTC transaction pays at most (default 50).
+    pub batch_max: Option<i64>,
+    /// How long the oldest waiting withdrawal waits for a batch to fill, ms (default 2000).
+    pub batch_wait_ms: Option<u64>,
+    /// `estimatesmartfee`'s target, blocks (default 6).
+    pub fee_target_blocks: Option<u16>,
+    /// Fee rate floor, sat/vB (default 1).
+    pub min_fee_rate_sat_vb: Option<u64>,
+    /// Fee rate cap, sat/vB (default 500).
+    pub max_fee_rate_sat_vb: Option<u64>,
+    /// Blocks before a BTC withdrawal is confirmed (default 3).
+    pub confirmations: Option<u64>,
+    /// Blocks an accepted BTC transaction may stay unmined before it is replaced (default 3).
+    pub bump_after_blocks: Option<u64>,
 }
 
 /// `[scanner]`.

@@ -161,6 +161,8 @@ pub(crate) struct State {
     pub auth: auth::Authenticator,
     /// Deposit keys per chain.
     pub deposit_keys: HashMap<Chain, DepositKey>,
+    /// The Bitcoin network withdrawal destinations must be on.
+    pub btc_network: BtcNetwork,
     /// Turns true when the server begins shutting down; open event streams end on it.
     pub stopping: watch::Receiver<bool>,
 }
@@ -194,6 +196,7 @@ pub async fn serve(
         auth: auth::Authenticator::new(pool.clone(), rates),
         pool,
         deposit_keys: config.deposit_keys,
+        btc_network: config.btc_network,
         stopping,
     });
     if let Ok(address) = listener.local_addr() {

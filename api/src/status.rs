@@ -81,9 +81,9 @@ pub(crate) fn request(error: RequestError) -> Status {
         conflict @ RequestError::Conflict { .. } => Status::already_exists(conflict.to_string()),
         short @ RequestError::InsufficientFunds { .. } => Status::failed_precondition(short.to_string()),
         paused @ RequestError::LanePaused { .. } => Status::permission_denied(paused.to_string()),
-        RequestError::NoHotWallet => {
-            Status::failed_precondition("no hot wallet is registered for eth: withdrawals cannot be paid out yet")
-        }
+        RequestError::NoHotWallet(chain) => Status::failed_precondition(format!(
+            "no hot wallet is registered for {chain}: withdrawals cannot be paid out yet"
+        )),
         RequestError::Database(e) => database("recording the withdrawal", &e),
     }
 }

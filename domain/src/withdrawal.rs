@@ -58,12 +58,14 @@ pub enum WithdrawalEvent {
         /// Why.
         reason: String,
     },
-    /// A nonce was allocated and the transaction signed, in one database transaction.
+    /// A nonce (ETH) or coins (BTC) were allocated and the transaction signed, in one database
+    /// transaction.
     Signed {
-        /// Hot wallet address.
+        /// Hot wallet address (for BTC, the lane's funding address).
         from_address: String,
-        /// The nonce.
-        nonce: u64,
+        /// The nonce; BTC has none (its attempts spend reserved coins).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<u64>,
         /// Hash of the signed transaction.
         tx_hash: String,
         /// Chain head when signed (bumps count blocks from here).
@@ -426,7 +428,7 @@ impl Withdrawal {
             E::Signed { from_address, nonce, tx_hash, at_block } => {
                 self.attempt_at_block = Some(*at_block);
                 self.from_address = Some(from_address.clone());
-                self.nonce = Some(*nonce);
+                self.nonce = *nonce;
                 self.tx_hash = Some(tx_hash.clone());
                 self.live_attempt = Some(tx_hash.clone());
                 if self.state != S::CancelRequested {
@@ -534,8 +536,12 @@ mod tests {
 
     #[test]
     fn events_round_trip_as_tagged_json() {
-        let event =
-            WithdrawalEvent::Signed { from_address: "0xab".into(), nonce: 7, tx_hash: "0x01".into(), at_block: 3 };
+        let event = WithdrawalEvent::Signed {
+            from_address: "0xab".into(),
+            nonce: Some(7),
+            tx_hash: "0x01".into(),
+            at_block: 3,
+        };
         let json = serde_json::to_value(&event).expect("serialise");
         assert_eq!(json["event_type"], "signed");
         assert_eq!(json["nonce"], 7);
@@ -548,7 +554,7 @@ mod tests {
     fn the_fold_follows_the_life_of_a_withdrawal() {
         use WithdrawalEvent as E;
         use WithdrawalState as S;
-        let signed = E::Signed { from_address: "0xab".into(), nonce: 0, tx_hash: "0x01".into(), at_block: 1 };
+        let signed = E::Signed { from_address: "0xab".into(), nonce: Some(0), tx_hash: "0x01".into(), at_block: 1 };
         let mined = E::Mined { tx_hash: "0x02".into(), block_hash: "0xb1".into(), block_number: 5 };
         let cases: Vec<(Vec<WithdrawalEvent>, S, Option<&str>)> = vec![
             (vec![requested()], S::Requested, None),

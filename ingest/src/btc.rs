@@ -6,72 +6,39 @@
 //! paying its miners in the coinbase); they are marked, because they can be spent, and so
 //! confirmed, only after 100 blocks.
 
-use std::time::Duration;
-
 use alloy_primitives::U256;
 use bitcoin::consensus::deserialize;
 use custodian_domain::{BtcNetwork, Chain};
-use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::block::{DepositKind, FetchedBlock, Spend, Transfer, TransferAsset};
 use crate::reader::{ChainIdentity, ChainReader, ReadError};
 
-/// How long one RPC call may take before the node counts as unreachable.
-pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+pub use custodian_store::btc_rpc::{BtcAuth, RPC_TIMEOUT};
+use custodian_store::btc_rpc::{BtcRpc, RpcFault, TransportError};
 
 /// Bitcoin Core's RPC_INVALID_PARAMETER, returned by `getblockhash` above the tip.
 const RPC_INVALID_PARAMETER: i64 = -8;
 
-/// Credentials for Bitcoin Core's RPC.
-#[derive(Clone)]
-pub enum BtcAuth {
-    /// `rpcuser` / `rpcpassword`.
-    UserPassword {
-        /// The user.
-        user: String,
-        /// The password (never printed).
-        password: String,
-    },
-    /// The `.cookie` file Bitcoin Core writes into its data directory.
-    CookieFile(std::path::PathBuf),
-    /// No credentials.
-    None,
-}
-
-impl std::fmt::Debug for BtcAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            BtcAuth::UserPassword { user, .. } => write!(f, "UserPassword({user}, ***)"),
-            BtcAuth::CookieFile(path) => write!(f, "CookieFile({})", path.display()),
-            BtcAuth::None => f.write_str("None"),
-        }
-    }
-}
-
 /// Reads blocks from Bitcoin Core (or anything answering exactly as it does).
 #[derive(Clone, Debug)]
 pub struct BtcReader {
-    http: reqwest::Client,
-    url: String,
-    auth: BtcAuth,
+    rpc: BtcRpc,
     network: BtcNetwork,
-}
-
-#[derive(Deserialize)]
-struct RpcReply {
-    result: Option<Value>,
-    error: Option<RpcErrorBody>,
-}
-
-#[derive(Deserialize)]
-struct RpcErrorBody {
-    code: i64,
-    message: String,
 }
 
 fn unavailable(message: impl std::fmt::Display) -> ReadError {
     ReadError::Unavailable { chain: Chain::Btc, message: message.to_string() }
+}
+
+fn transport(e: TransportError) -> ReadError {
+    match e {
+        TransportError::Unavailable { .. } => unavailable(e),
+        TransportError::Unauthorized { method, .. } => {
+            ReadError::Rpc { chain: Chain::Btc, method, message: e.to_string() }
+        }
+        TransportError::Malformed { .. } => malformed(e),
+    }
 }
 
 fn malformed(message: impl std::fmt::Display) -> ReadError {
@@ -81,54 +48,18 @@ fn malformed(message: impl std::fmt::Display) -> ReadError {
 impl BtcReader {
     /// A reader for the node at `url` on `network`.
     pub fn new(url: &str, auth: BtcAuth, network: BtcNetwork) -> Result<BtcReader, ReadError> {
-        custodian_store::tls::install_crypto_provider();
-        let http = reqwest::Client::builder().timeout(RPC_TIMEOUT).build().map_err(unavailable)?;
-        Ok(BtcReader { http, url: url.to_owned(), auth, network })
+        let rpc = BtcRpc::new(url, auth).map_err(transport)?;
+        Ok(BtcReader { rpc, network })
     }
 
-    fn credentials(&self) -> Result<Option<(String, String)>, ReadError> {
-        match &self.auth {
-            BtcAuth::UserPassword { user, password } => Ok(Some((user.clone(), password.clone()))),
-            BtcAuth::CookieFile(path) => {
-                // Re-read each time: Bitcoin Core writes a new cookie on every start.
-                let cookie = std::fs::read_to_string(path)
-                    .map_err(|e| unavailable(format!("cannot read cookie file {}: {e}", path.display())))?;
-                let (user, password) = cookie
-                    .trim()
-                    .split_once(':')
-                    .ok_or_else(|| unavailable(format!("cookie file {} is not user:password", path.display())))?;
-                Ok(Some((user.to_owned(), password.to_owned())))
-            }
-            BtcAuth::None => Ok(None),
-        }
+    /// The transport, for callers that speak other methods to the same node (the withdrawal
+    /// worker).
+    pub fn rpc(&self) -> &BtcRpc {
+        &self.rpc
     }
 
-    /// One JSON-RPC call. Bitcoin Core answers errors with HTTP 500 and a JSON body, so the body
-    /// is read whatever the status; 401 has no body.
-    async fn call(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcErrorBody>, ReadError> {
-        let body = json!({"jsonrpc": "1.0", "id": "custodian", "method": method, "params": params});
-        let mut request = self.http.post(&self.url).json(&body);
-        if let Some((user, password)) = self.credentials()? {
-            request = request.basic_auth(user, Some(password));
-        }
-        let response = request.send().await.map_err(|e| unavailable(format!("{method}: {e}")))?;
-        let status = response.status();
-        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
-            return Err(ReadError::Rpc {
-                chain: Chain::Btc,
-                method,
-                message: format!("HTTP {status}: check CUSTODIAN_BTC_RPC_USER / _PASSWORD or the cookie file"),
-            });
-        }
-        let text = response.text().await.map_err(|e| unavailable(format!("{method}: {e}")))?;
-        let reply: RpcReply = serde_json::from_str(&text).map_err(|e| {
-            malformed(format!("{method} answered HTTP {status} with a non-JSON-RPC body ({e}): {text:.200}"))
-        })?;
-        match (reply.error, reply.result) {
-            (Some(error), _) => Ok(Err(error)),
-            (None, Some(result)) => Ok(Ok(result)),
-            (None, None) => Ok(Ok(Value::Null)),
-        }
+    async fn call(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcFault>, ReadError> {
+        self.rpc.call(method, params).await.map_err(transport)
     }
 
     async fn call_ok(&self, method: &'static str, params: Value) -> Result<Value, ReadError> {

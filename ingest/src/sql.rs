@@ -146,12 +146,20 @@ pub async fn canonical_desc<C: GenericClient>(
     Ok(rows.iter().map(|r| (height_u64(r.get(0)), r.get(1))).collect())
 }
 
-/// Every address ever assigned on `chain`: attribution to accounts happens later, by height.
+/// Every address ever assigned on `chain` (attribution to accounts happens later, by height), and
+/// the BTC hot wallets' change addresses, which belong to no account: their outputs are our own
+/// coins coming back, observed so they can be spent and reconciled, never credited.
 pub async fn watched_addresses<C: GenericClient>(
     client: &C,
     chain: Chain,
 ) -> Result<HashSet<String>, tokio_postgres::Error> {
-    let rows = client.query("select distinct address from wallet_address where chain = $1", &[&chain.as_str()]).await?;
+    let rows = client
+        .query(
+            "select address from wallet_address where chain = $1
+             union select address from btc_change_address where chain = $1",
+            &[&chain.as_str()],
+        )
+        .await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 

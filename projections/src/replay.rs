@@ -166,7 +166,10 @@ with req as (
     select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount
       from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
     union all
-    select 'withdrawal:' || f.id || ':fee', 'network_fees', 'custody', 'ETH', f.fee from fees f
+    -- gas in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin (withdrawals::sql::fee_asset)
+    select 'withdrawal:' || f.id || ':fee', 'network_fees', 'custody',
+           case when r.asset = 'BTC' then 'BTC' else 'ETH' end, f.fee
+      from fees f join req r on r.id = f.id
 )
 select t.id as transfer_id, m.key as idempotency_key, side.ledger_account, m.asset, side.direction, m.amount
   from movement m

@@ -24,14 +24,18 @@ mod story {
     use custodian_api::tokens::{self, Scope};
     use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
     use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
-    use custodian_domain::{Amount, BtcNetwork, Chain, EthAddress};
+    use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress};
     use custodian_ingest::btc::{BtcAuth, BtcReader};
     use custodian_ingest::eth::EthReader;
     use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner};
     use custodian_projections::{balances, policy, posting, replay};
     use custodian_store::{deposit_addresses, migrate, ownership, Pool};
+    use custodian_testkit::btcsim::AddrKind;
     use custodian_testkit::btcsim::BitcoinSim;
     use custodian_testkit::Anvil;
+    use custodian_withdrawals::btc::node::BtcNode;
+    use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
+    use custodian_withdrawals::btc_key::BtcHotKey;
     use custodian_withdrawals::limits::{self, LimitChange};
     use custodian_withdrawals::request::{self, Request, RequestError};
     use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
@@ -162,7 +166,7 @@ mod story {
         ether: &str,
         requested_by: &str,
     ) -> Result<request::Requested, RequestError> {
-        let (destination, amount) = request::parse(to, ether, 18)?;
+        let (destination, amount) = request::parse(Chain::Eth, BtcNetwork::Regtest, to, ether, 18)?;
         let r = Request {
             account_id: account,
             external_id: external_id.to_owned(),
@@ -330,7 +334,7 @@ mod story {
                 let from = told.get(&id).copied().unwrap_or(0);
                 for event in &events[from..] {
                     let detail = match event {
-                        WithdrawalEvent::Signed { from_address, nonce, tx_hash, .. } => {
+                        WithdrawalEvent::Signed { from_address, nonce: Some(nonce), tx_hash, .. } => {
                             format!("nonce {nonce} of {from_address} allocated and signed: {tx_hash}")
                         }
                         WithdrawalEvent::Broadcast { tx_hash, .. } => format!("the node accepted {tx_hash}"),
@@ -445,6 +449,73 @@ mod story {
             row.get::<_, String>(2),
             row.get::<_, String>(3)
         ));
+
+        chapter("Bitcoin withdrawals: one transaction pays a batch, a replacement bumps it");
+        let account = {
+            let master = Xpriv::new_master(bitcoin::Network::Regtest, &[42u8; 32])?;
+            master.derive_priv(&Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'")?)?
+        };
+        let hot_key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest)?;
+        hot_wallet::add_btc(&mut pool.get().await?, &hot_key, "btc-1", sim.height(), "operator").await?;
+        let funding = hot_key.funding_address();
+        say(format!("  BTC hot wallet btc-1 from a BIP-84 account key; funding address …/0/0 = {funding}"));
+        let top_up = sim.pay(&vec![(funding.clone(), bitcoin::Amount::from_sat(20_000_000)); 2]);
+        sim.mine(&[top_up]);
+        sim.mine_empty(3);
+        scan_and_post(&pool, btc_reader()?).await?;
+        say("  the treasury tops it up with two coins of 0.2 BTC, confirmed and credited to treasury");
+        let mut batch = Vec::new();
+        for (n, kind) in [AddrKind::P2wpkh, AddrKind::P2tr, AddrKind::P2pkh].into_iter().enumerate() {
+            let to = sim.address(kind, 500 + n as u32);
+            let r = Request {
+                account_id: id("alice"),
+                external_id: format!("alice-btc-{n}"),
+                asset: "BTC".into(),
+                destination: request::Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest)?),
+                amount: Amount::parse_decimal("0.01", 8)?,
+                requested_by: "alice-app".into(),
+            };
+            let w = request::request(&mut pool.get().await?, &r).await?.withdrawal;
+            say(format!("  alice asks for 0.01 BTC to {to} (withdrawal {})", w.id));
+            batch.push(w.id);
+        }
+        let rpc = custodian_store::btc_rpc::BtcRpc::new(&sim.url(), auth.clone())?;
+        let config = BtcConfig {
+            network: BtcNetwork::Regtest,
+            batch_wait: std::time::Duration::ZERO,
+            confirmations: 1,
+            bump_after_blocks: 1,
+            ..BtcConfig::default()
+        };
+        let keys = std::collections::HashMap::from([("btc-1".to_owned(), std::sync::Arc::new(hot_key))]);
+        let btc_worker = BtcWorker::new(pool.clone(), BtcNode::new(rpc), keys, config);
+        btc_worker.pass().await?;
+        let client = pool.get().await?;
+        let original = sql::load(&client, batch[0]).await?.and_then(|w| w.tx_hash).unwrap_or_default();
+        let row = client.query_one("select fee::text, vsize from btc_attempt where tx_hash = $1", &[&original]).await?;
+        say(format!(
+            "  one pass: coins reserved, one transaction signed (BIP-143) paying all three plus change, stored, sent: {original} ({} vB, fee {} sat)",
+            row.get::<_, i32>(1),
+            row.get::<_, String>(0)
+        ));
+        sim.set_fee_rate(Some(25));
+        sim.mine_empty(1);
+        scan_and_post(&pool, btc_reader()?).await?;
+        btc_worker.pass().await?;
+        let bumped = sql::load(&client, batch[0]).await?.and_then(|w| w.live_attempt).unwrap_or_default();
+        let row = client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&bumped]).await?;
+        say(format!(
+            "  the fee market rises to 25 sat/vB and a block passes without it: replaced (BIP-125) by {bumped}, fee {} sat from change; the customers' outputs unchanged",
+            row.get::<_, String>(0)
+        ));
+        sim.mine_mempool();
+        scan_and_post(&pool, btc_reader()?).await?;
+        btc_worker.pass().await?;
+        for id in &batch {
+            let w = sql::load(&client, *id).await?.context("a demo withdrawal")?;
+            say(format!("  withdrawal {id}: {} by {}", w.state.as_str(), w.tx_hash.unwrap_or_default()));
+        }
+        table(&pool, &accounts).await?;
 
         chapter("Audit");
         let report = replay::verify(&mut pool.get().await?).await?;

@@ -94,9 +94,11 @@ pub async fn run(
                    from ledger_posting where ledger_account = 'custody' group by asset
              ), uncredited as (
                  select s.asset, sum(s.amount) as uncredited
-                   from (select distinct on (deposit_key) asset, amount, custody_posted, orphaned
+                   from (select distinct on (deposit_key) asset, amount, custody_posted, orphaned, tx_hash
                            from deposit_status order by deposit_key, orphaned, height desc) s
                   where not s.orphaned and s.custody_posted = 0
+                    -- change of our own BTC transactions is custody coming back, not uncredited
+                    and not exists (select 1 from btc_attempt a where a.tx_hash = s.tx_hash)
                   group by s.asset
              ), owed as (
                  select asset, sum(available + held) as owed from account_balance group by asset

@@ -168,6 +168,18 @@ pub async fn run(
         let worker = Worker::new(pool.clone(), node, signers, super::withdraw::worker_config(settings, worker_args));
         tasks.spawn(work(worker, Duration::from_millis(worker_args.interval_ms), stopped.clone(), broken.clone()));
     }
+    if let Some(btc) = super::withdraw::btc_worker(settings, &pool).await? {
+        let interval = Duration::from_millis(worker_args.interval_ms);
+        let (stopped, broken) = (stopped.clone(), broken.clone());
+        tasks.spawn(async move {
+            if let Err(e) = btc.run(interval, stopped).await {
+                let reason = format!("the BTC withdrawal worker stopped: {e}");
+                broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
+                anyhow::bail!(reason);
+            }
+            Ok(())
+        });
+    }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
     tasks.spawn(reconcile(settings.eth_rpc.clone(), settings.eth_rpc_timeout, pool.clone(), stopped.clone()));
     let parts = Parts { warnings, broken, scanners };

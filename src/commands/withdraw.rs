@@ -8,8 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
 use custodian_domain::{Amount, Chain};
+use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
 use custodian_withdrawals::actions::{self, ActionError};
+use custodian_withdrawals::btc::node::BtcNode;
+use custodian_withdrawals::btc::tx::FeeRate;
+use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
+use custodian_withdrawals::btc_key::BtcHotKey;
 use custodian_withdrawals::hot_wallet::{self, HotWalletError};
 use custodian_withdrawals::limits::{self, LimitChange, LimitError};
 use custodian_withdrawals::request::{self, Request, RequestError};
@@ -171,7 +176,7 @@ pub async fn rebalance(
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
     let by = super::principal(settings, &client, Scope::Admin, "hot-wallet rebalance").await?;
-    let (asset, decimals) = resolve_asset(&client, asset).await?;
+    let (asset, decimals, _) = resolve_asset(&client, asset).await?;
     let amount = Amount::parse_decimal(amount, decimals).map_err(|e| invalid(format!("--amount: {e}")))?;
     let external_id = external_id.map_or_else(
         || {
@@ -312,9 +317,9 @@ pub async fn lanes(settings: &Settings) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(String, u8)> {
-    ownership::find_asset(client, Chain::Eth, asset).await?.ok_or_else(|| {
-        invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH and registered ERC-20 tokens)"))
+async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(String, u8, Chain)> {
+    request::find_asset(client, asset).await?.ok_or_else(|| {
+        invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH, registered ERC-20 tokens and BTC)"))
     })
 }
 
@@ -334,8 +339,9 @@ pub async fn request(
     let mut client = pool.get().await?;
     let requested_by = super::principal(settings, &client, Scope::Withdraw, "withdraw").await?;
     let account = ownership::find_account(&client, account).await.map_err(|e| invalid(e.to_string()))?;
-    let (asset, decimals) = resolve_asset(&client, asset).await?;
-    let (destination, amount) = request::parse(to, amount, decimals).map_err(|e| invalid(e.to_string()))?;
+    let (asset, decimals, chain) = resolve_asset(&client, asset).await?;
+    let (destination, amount) =
+        request::parse(chain, settings.btc_network, to, amount, decimals).map_err(|e| invalid(e.to_string()))?;
     let r = Request {
         account_id: account.id,
         external_id: external_id.to_owned(),
@@ -409,7 +415,7 @@ pub async fn limit(
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
     let by = super::principal(settings, &client, Scope::Admin, "withdrawals limit").await?;
-    let (asset, decimals) = resolve_asset(&client, asset).await?;
+    let (asset, decimals, _) = resolve_asset(&client, asset).await?;
     let change = LimitChange {
         approval_limit: limit_value(amount, decimals, "--amount")?,
         approvals_required: approvals,
@@ -587,6 +593,44 @@ pub fn signers(
     Ok(signers)
 }
 
+/// The BTC worker, if any BTC lane has a key: `CUSTODIAN_BTC_HOT_KEY_FILE_<LANE>`, then
+/// `[btc.hot_key_files]`; priced and batched by `[btc]`. Needs the Bitcoin node.
+pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Result<Option<BtcWorker>> {
+    let lanes = hot_wallet::lanes_on(&pool.get().await?, "btc").await?;
+    let file = &settings.file.btc;
+    let mut keys = HashMap::new();
+    for lane in &lanes {
+        let path = std::env::var(format!("CUSTODIAN_BTC_HOT_KEY_FILE_{}", env_key(&lane.lane)))
+            .ok()
+            .map(std::path::PathBuf::from)
+            .or_else(|| file.hot_key_files.get(&lane.lane).cloned());
+        let Some(path) = path else { continue };
+        let key = BtcHotKey::from_file(&path, settings.btc_network)
+            .map_err(|e| invalid(format!("BTC lane {}: {e}", lane.lane)))?;
+        keys.insert(lane.lane.clone(), Arc::new(key));
+    }
+    if keys.is_empty() {
+        return Ok(None);
+    }
+    let url = settings.btc_rpc.as_deref().ok_or_else(|| {
+        invalid("BTC hot keys are configured but no Bitcoin node: set --btc-rpc or CUSTODIAN_BTC_RPC_URL")
+    })?;
+    let rpc = BtcRpc::new(url, settings.btc_auth.clone()).map_err(|e| invalid(e.to_string()))?;
+    let defaults = BtcConfig::default();
+    let config = BtcConfig {
+        network: settings.btc_network,
+        batch_max: file.batch_max.unwrap_or(defaults.batch_max).max(1),
+        batch_wait: file.batch_wait_ms.map_or(defaults.batch_wait, Duration::from_millis),
+        fee_target_blocks: file.fee_target_blocks.unwrap_or(defaults.fee_target_blocks),
+        min_fee_rate: file.min_fee_rate_sat_vb.map_or(defaults.min_fee_rate, FeeRate::per_vb),
+        max_fee_rate: file.max_fee_rate_sat_vb.map_or(defaults.max_fee_rate, FeeRate::per_vb),
+        confirmations: file.confirmations.unwrap_or(defaults.confirmations),
+        bump_after_blocks: file.bump_after_blocks.unwrap_or(defaults.bump_after_blocks),
+        ..defaults
+    };
+    Ok(Some(BtcWorker::new(pool.clone(), BtcNode::new(rpc), keys, config)))
+}
+
 pub async fn work(
     settings: &Settings,
     once: bool,
@@ -594,8 +638,14 @@ pub async fn work(
     config: WorkerConfig,
     interval: Duration,
 ) -> Result<Exit> {
-    let node = node(settings)?;
     let pool = super::pool(settings).await?;
+    let btc = btc_worker(settings, &pool).await?;
+    if settings.eth_rpc.is_none() {
+        if let Some(btc) = btc {
+            return work_btc(settings, once, btc, interval).await;
+        }
+    }
+    let node = node(settings)?;
     let lanes = hot_wallet::lanes(&pool.get().await?).await?;
     let signers = signers(settings, &lanes, key_files)?;
     if signers.is_empty() && !lanes.is_empty() {
@@ -607,10 +657,20 @@ pub async fn work(
     let worker = Worker::new(pool, node, signers, config);
     if once {
         let report = worker.pass().await.context("running a withdrawal pass")?;
+        let btc_report = match &btc {
+            Some(btc) => Some(btc.pass().await.context("running a BTC withdrawal pass")?),
+            None => None,
+        };
         if settings.json {
-            super::print_json(&report)?;
+            match btc_report {
+                Some(btc_report) => super::print_json(&json!({ "eth": report, "btc": btc_report }))?,
+                None => super::print_json(&report)?,
+            }
         } else {
             println!("{report:?}");
+            if let Some(btc_report) = btc_report {
+                println!("btc: {btc_report:?}");
+            }
         }
         return Ok(Exit::Success);
     }
@@ -620,6 +680,34 @@ pub async fn work(
         super::shutdown_signal().await;
         let _ = stop.send(true);
     });
-    worker.run(interval, stopped).await.context("the withdrawal worker stopped")?;
+    let btc_run = async {
+        match &btc {
+            Some(btc) => btc.run(interval, stopped.clone()).await,
+            None => Ok(()),
+        }
+    };
+    let (eth, btc_done) = tokio::join!(worker.run(interval, stopped.clone()), btc_run);
+    eth.context("the withdrawal worker stopped")?;
+    btc_done.context("the BTC withdrawal worker stopped")?;
+    Ok(Exit::Success)
+}
+
+/// `work` with BTC lanes only (no Ethereum node configured).
+async fn work_btc(settings: &Settings, once: bool, btc: BtcWorker, interval: Duration) -> Result<Exit> {
+    if once {
+        let report = btc.pass().await.context("running a BTC withdrawal pass")?;
+        if settings.json {
+            super::print_json(&json!({ "btc": report }))?;
+        } else {
+            println!("btc: {report:?}");
+        }
+        return Ok(Exit::Success);
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    btc.run(interval, stopped).await.context("the BTC withdrawal worker stopped")?;
     Ok(Exit::Success)
 }

@@ -4,6 +4,7 @@
 //! The schema itself lives only in `migrations/`; this crate embeds it. Every query here uses
 //! parameters, never SQL assembled from input.
 
+pub mod btc_rpc;
 pub mod deposit_addresses;
 pub mod events;
 pub mod migrate;

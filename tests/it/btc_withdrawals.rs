@@ -141,3 +141,483 @@ fn tempdir() -> std::path::PathBuf {
 fn rand_suffix() -> u128 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
 }
+
+// ------------------------------------------------------------------------------------ payouts
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bitcoin::{Address, Amount as Sats, OutPoint, Transaction, Txid};
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::{BtcAddress, BtcNetwork, Chain};
+use custodian_testkit::btcsim::AddrKind;
+use custodian_withdrawals::btc::node::BtcNode;
+use custodian_withdrawals::btc::tx::FeeRate;
+use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
+use custodian_withdrawals::btc_key::BtcHotKey;
+use custodian_withdrawals::request::{self, Destination, Request, RequestError, Requested};
+use custodian_withdrawals::{actions, hot_wallet, sql};
+
+/// Two BTC lanes funded from outside, alice credited by a real deposit, on the simulator.
+struct Payouts {
+    sim: BitcoinSim,
+    db: TestDb,
+    keys: HashMap<String, Arc<BtcHotKey>>,
+    funding: Vec<Address>,
+    alice: i64,
+}
+
+fn quick(config: BtcConfig) -> BtcConfig {
+    BtcConfig { network: BtcNetwork::Regtest, batch_wait: std::time::Duration::ZERO, ..config }
+}
+
+impl Payouts {
+    /// `lanes` lanes, each funded with `coins` coins of `coin` satoshis; alice holds `alice` sats.
+    async fn new(lanes: u32, coins: usize, coin: u64, alice: u64) -> Payouts {
+        let sim = BitcoinSim::start().await;
+        let db = TestDb::new().await;
+        let deposit = sim.address(AddrKind::P2wpkh, 900);
+        let alice_id = crate::ledger::new_account(&db, "alice", &deposit, 0).await;
+        let mut keys = HashMap::new();
+        let mut funding = Vec::new();
+        for lane in 0..lanes {
+            let key = BtcHotKey::parse(&account_key(lane).to_string(), BtcNetwork::Regtest).unwrap();
+            let name = format!("b{lane}");
+            let mut client = db.pool.get().await.unwrap();
+            hot_wallet::add_btc(&mut client, &key, &name, sim.height(), "operator").await.unwrap();
+            funding.push(key.funding_address());
+            keys.insert(name, Arc::new(key));
+        }
+        let mut txs: Vec<Transaction> =
+            funding.iter().map(|address| sim.pay(&vec![(address.clone(), Sats::from_sat(coin)); coins])).collect();
+        txs.push(sim.pay(&[(deposit, Sats::from_sat(alice))]));
+        sim.mine(&txs);
+        sim.mine_empty(6);
+        let p = Payouts { sim, db, keys, funding, alice: alice_id };
+        p.scan().await;
+        p
+    }
+
+    async fn scan(&self) {
+        scan(&self.db, &self.sim).await;
+    }
+
+    fn worker(&self, config: BtcConfig) -> BtcWorker {
+        let rpc = custodian_store::btc_rpc::BtcRpc::new(
+            &self.sim.url(),
+            custodian_store::btc_rpc::BtcAuth::UserPassword {
+                user: self.sim.user().to_owned(),
+                password: self.sim.password().to_owned(),
+            },
+        )
+        .unwrap();
+        BtcWorker::new(self.db.pool.clone(), BtcNode::new(rpc), self.keys.clone(), quick(config))
+    }
+
+    async fn request(&self, external_id: &str, to: &Address, sats: u64) -> Result<Requested, RequestError> {
+        let r = Request {
+            account_id: self.alice,
+            external_id: external_id.to_owned(),
+            asset: "BTC".into(),
+            destination: Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
+            amount: custodian_domain::Amount::from_units(alloy_primitives::U256::from(sats)),
+            requested_by: "client".into(),
+        };
+        request::request(&mut self.db.pool.get().await.unwrap(), &r).await
+    }
+
+    async fn load(&self, id: i64) -> Withdrawal {
+        sql::load(&self.db.pool.get().await.unwrap(), id).await.unwrap().unwrap()
+    }
+
+    async fn events(&self, id: i64) -> Vec<WithdrawalEvent> {
+        sql::events(&self.db.pool.get().await.unwrap(), id).await.unwrap()
+    }
+
+    /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
+    /// one of `ids` is in a final state; at most `rounds`.
+    async fn settle(&self, workers: &[&BtcWorker], ids: &[i64], rounds: usize) {
+        for _ in 0..rounds {
+            futures::future::join_all(workers.iter().map(|w| w.pass())).await.into_iter().for_each(|r| {
+                r.unwrap();
+            });
+            self.sim.mine_mempool();
+            self.scan().await;
+            let mut done = true;
+            for id in ids {
+                done &=
+                    !self.load(*id).await.holds_funds() || self.load(*id).await.state == WithdrawalState::NeedsReview;
+            }
+            if done {
+                return;
+            }
+        }
+        panic!("not settled after {rounds} rounds");
+    }
+
+    async fn value(&self, sql: &str) -> String {
+        self.db.client().await.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    /// Every transaction of the active chain, by txid.
+    fn chain_txs(&self) -> HashMap<Txid, Transaction> {
+        (0..=self.sim.height())
+            .flat_map(|h| self.sim.block(self.sim.block_hash(h).unwrap()).unwrap().txdata)
+            .map(|tx| (tx.compute_txid(), tx))
+            .collect()
+    }
+
+    async fn verify(&self) {
+        let env = btc_env(&self.db, &self.sim, None);
+        let verified = run(env.clone(), &["replay", "--verify"]).await;
+        assert_eq!(verified.code, 0, "{}{}", verified.stdout, verified.stderr);
+        let reconciled = run(env, &["reconcile", "--json"]).await;
+        assert_eq!(reconciled.code, 0, "custody equals our coins: {}{}", reconciled.stdout, reconciled.stderr);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_btc_withdrawals_from_eight_clients_sent_twice_are_each_paid_once_in_batches() {
+    let p = Payouts::new(2, 20, 5_000_000, 100_000_000).await;
+    let kinds = [AddrKind::P2pkh, AddrKind::P2shP2wpkh, AddrKind::P2wpkh, AddrKind::P2wsh, AddrKind::P2tr];
+    let p = Arc::new(p);
+    let mut clients = Vec::new();
+    for client in 0..8u32 {
+        let p = p.clone();
+        clients.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for n in 0..5u32 {
+                let i = client * 5 + n;
+                let to = p.sim.address(kinds[(i % 5) as usize], 100 + i);
+                let first = p.request(&format!("w{i}"), &to, 100_000 + u64::from(i)).await.unwrap();
+                let again = p.request(&format!("w{i}"), &to, 100_000 + u64::from(i)).await.unwrap();
+                assert!(first.created && !again.created);
+                assert_eq!(first.withdrawal.id, again.withdrawal.id);
+                ids.push((first.withdrawal.id, to, 100_000 + u64::from(i)));
+            }
+            ids
+        }));
+    }
+    let mut wanted = Vec::new();
+    for client in clients {
+        wanted.extend(client.await.unwrap());
+    }
+    let config = BtcConfig { confirmations: 2, bump_after_blocks: 100, batch_max: 15, ..BtcConfig::default() };
+    let (one, two) = (p.worker(config.clone()), p.worker(config));
+    let ids: Vec<i64> = wanted.iter().map(|(id, ..)| *id).collect();
+    p.settle(&[&one, &two], &ids, 12).await;
+
+    // On chain: every destination paid exactly once, the exact amount.
+    let txs = p.chain_txs();
+    for (id, to, sats) in &wanted {
+        let paid: Vec<u64> = txs
+            .values()
+            .flat_map(|tx| tx.output.iter())
+            .filter(|o| o.script_pubkey == to.script_pubkey())
+            .map(|o| o.value.to_sat())
+            .collect();
+        assert_eq!(paid, vec![*sats], "withdrawal {id} to {to}");
+        assert_eq!(p.load(*id).await.state, WithdrawalState::Confirmed, "withdrawal {id}");
+    }
+    // Batches: fewer transactions than withdrawals; each mined attempt's fee is inputs minus
+    // outputs as the chain has it, and the ledger's fees add up to exactly that.
+    let client = p.db.client().await;
+    let mined: Vec<String> = client
+        .query("select distinct tx_hash from withdrawal where chain = 'btc' and state = 'confirmed'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(mined.len() < wanted.len() / 2, "batched: {} transactions for {}", mined.len(), wanted.len());
+    let mut chain_fees = 0u64;
+    for txid in &mined {
+        let tx = &txs[&txid.parse::<Txid>().unwrap()];
+        let inputs: u64 = tx
+            .input
+            .iter()
+            .map(|i| txs[&i.previous_output.txid].output[i.previous_output.vout as usize].value.to_sat())
+            .sum();
+        let outputs: u64 = tx.output.iter().map(|o| o.value.to_sat()).sum();
+        chain_fees += inputs - outputs;
+        let stored: String =
+            client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[txid]).await.unwrap().get(0);
+        assert_eq!(stored, (inputs - outputs).to_string(), "{txid}");
+    }
+    let posted = p
+        .value(
+            "select coalesce(sum(amount), 0)::text from ledger_posting
+              where ledger_account = 'network_fees' and asset = 'BTC' and direction = 'debit'",
+        )
+        .await;
+    assert_eq!(posted, chain_fees.to_string());
+    // No coin reserved twice, none spent twice.
+    let twice = p
+        .value(
+            "select count(*)::text from (select tx_hash, output_index from utxo_reservation
+              group by 1, 2 having count(*) > 1) d",
+        )
+        .await;
+    assert_eq!(twice, "0");
+    p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn btc_requests_are_refused_for_other_networks_dust_decimals_and_our_own_addresses() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let token = crate::harness::operator(&p.db).await;
+    let env = btc_env(&p.db, &p.sim, Some(&token));
+    let withdraw = |to: String, amount: &'static str, ext: &'static str| {
+        let env = env.clone();
+        async move {
+            run(
+                env,
+                &[
+                    "withdraw",
+                    "--account",
+                    "alice",
+                    "--asset",
+                    "BTC",
+                    "--to",
+                    &to,
+                    "--amount",
+                    amount,
+                    "--external-id",
+                    ext,
+                    "--json",
+                ],
+            )
+            .await
+        }
+    };
+    let count = || p.value("select count(*)::text from withdrawal");
+    let mainnet = "bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq".to_owned();
+    let deposit = p.sim.address(AddrKind::P2wpkh, 900).to_string();
+    let hot = p.funding[0].to_string();
+    let p2wpkh = p.sim.address(AddrKind::P2wpkh, 5).to_string();
+    let p2pkh = p.sim.address(AddrKind::P2pkh, 5).to_string();
+    for (to, amount, why) in [
+        (mainnet, "0.01", "not a regtest address"),
+        (p2wpkh.clone(), "0.00000293", "dust limit of 294"),
+        (p2pkh.clone(), "0.00000545", "dust limit of 546"),
+        (p2wpkh.clone(), "0.000000001", "decimals"),
+        (deposit, "0.01", "one of our own addresses"),
+        (hot, "0.01", "one of our hot wallets"),
+    ] {
+        let refused = withdraw(to.clone(), amount, "x").await;
+        assert_eq!(refused.code, 2, "{to} {amount}: {}{}", refused.stdout, refused.stderr);
+        assert!(refused.stderr.contains(why), "{to} {amount}: {}", refused.stderr);
+    }
+    assert_eq!(count().await, "0", "nothing written");
+    let accepted = withdraw(p2pkh, "0.00000546", "ok").await;
+    assert_eq!(accepted.code, 0, "{}", accepted.stderr);
+    assert_eq!(accepted.json()["withdrawal"]["asset"], "BTC");
+    assert_eq!(count().await, "1");
+}
+
+/// A BTC config that bumps after one block and caps at `cap` sat/vB.
+fn bumping(cap: u64) -> BtcConfig {
+    BtcConfig { confirmations: 1, bump_after_blocks: 1, max_fee_rate: FeeRate::per_vb(cap), ..BtcConfig::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_rising_fee_market_replaces() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let to = p.sim.address(AddrKind::P2wpkh, 7);
+    let w = p.request("one", &to, 300_000).await.unwrap().withdrawal;
+    // Killed after commit, before broadcast: the allocation is all there is.
+    p.worker(bumping(50)).allocate_lane("b0").await.unwrap();
+    let signed = p.load(w.id).await;
+    assert_eq!(signed.state, WithdrawalState::Signed);
+    let original = signed.tx_hash.clone().unwrap();
+    assert!(p.sim.mempool().is_empty(), "nothing was sent before the crash");
+    // A new process sends exactly the stored bytes.
+    let worker = p.worker(bumping(50));
+    worker.pass().await.unwrap();
+    assert_eq!(p.sim.mempool(), vec![original.parse::<Txid>().unwrap()], "the same transaction, not a new one");
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Broadcast);
+    // Evicted (a node restart): the next pass sends it again.
+    assert!(p.sim.evict(original.parse().unwrap()));
+    worker.pass().await.unwrap();
+    assert_eq!(p.sim.mempool(), vec![original.parse::<Txid>().unwrap()]);
+    // The fee market rises and blocks pass without it: a replacement, same customer output.
+    p.sim.set_fee_rate(Some(20));
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.bumped, 1, "{report:?}");
+    let bumped = p.load(w.id).await;
+    let replacement = bumped.live_attempt.clone().unwrap();
+    assert_ne!(replacement, original);
+    assert_eq!(p.sim.mempool(), vec![replacement.parse::<Txid>().unwrap()], "the replacement took its place");
+    let client = p.db.client().await;
+    let attempts: Vec<(String, String)> = client
+        .query("select tx_hash, kind from btc_attempt order by created_at", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(attempts, vec![(original.clone(), "original".into()), (replacement.clone(), "bump".into())]);
+    // At the cap: recorded once, alerted, the withdrawal shows it.
+    p.sim.set_fee_rate(Some(80));
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let capped = worker.pass().await.unwrap();
+    assert_eq!((capped.bumped, capped.fee_cap_reached), (1, 0), "20 → 50 sat/vB (the cap) is still a bump");
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let capped = worker.pass().await.unwrap();
+    assert_eq!((capped.bumped, capped.fee_cap_reached), (0, 1), "{capped:?}");
+    assert!(p.load(w.id).await.stuck_at_cap);
+    assert_eq!(worker.pass().await.unwrap().fee_cap_reached, 0, "alerted once");
+    // The last replacement mines and settles with its own fee; the others stay recorded.
+    let live = p.load(w.id).await.live_attempt.unwrap();
+    p.settle(&[&worker], &[w.id], 4).await;
+    let done = p.load(w.id).await;
+    assert_eq!((done.state, done.tx_hash.as_deref()), (WithdrawalState::Confirmed, Some(live.as_str())));
+    let fee: String =
+        client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&live]).await.unwrap().get(0);
+    assert!(
+        matches!(p.events(w.id).await.last(), Some(WithdrawalEvent::Confirmed { fee: f, .. }) if f.to_string() == fee)
+    );
+    assert_eq!(client.query_one("select count(*) from btc_attempt", &[]).await.unwrap().get::<_, i64>(0), 3);
+    p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch() {
+    let p = Payouts::new(1, 3, 1_000_000, 50_000_000).await;
+    let before = crate::ledger::available(&p.db, p.alice).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    // Before signing: released at once.
+    let early = p.request("early", &p.sim.address(AddrKind::P2wpkh, 1), 200_000).await.unwrap().withdrawal;
+    let (cancelled, _) = actions::cancel(&mut p.db.pool.get().await.unwrap(), early.id, "alice").await.unwrap();
+    assert_eq!(cancelled.state, WithdrawalState::Cancelled);
+    // After broadcast: a replacement paying the coins back to us mines.
+    let late = p.request("late", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    let original = p.load(late.id).await.tx_hash.unwrap();
+    actions::cancel(&mut p.db.pool.get().await.unwrap(), late.id, "alice").await.unwrap();
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.cancel_attempts, 1, "{report:?}");
+    let cancel = p.load(late.id).await.live_attempt.unwrap();
+    assert_eq!(p.sim.mempool(), vec![cancel.parse::<Txid>().unwrap()], "the cancel replaced the original");
+    p.settle(&[&worker], &[late.id], 4).await;
+    let done = p.load(late.id).await;
+    assert_eq!((done.state, done.tx_hash.as_deref()), (WithdrawalState::Cancelled, Some(cancel.as_str())));
+    assert_ne!(cancel, original);
+    let txs = p.chain_txs();
+    let to = p.sim.address(AddrKind::P2wpkh, 2).script_pubkey();
+    assert!(txs.values().all(|tx| tx.output.iter().all(|o| o.script_pubkey != to)), "nothing paid");
+    let fee: u64 = p.value("select fee::text from btc_attempt where kind = 'cancel'").await.parse().unwrap();
+    assert_eq!(crate::ledger::available(&p.db, p.alice).await, before, "the whole hold came back");
+    let fees = p
+        .value(
+            "select coalesce(sum(amount), 0)::text from ledger_posting
+              where ledger_account = 'network_fees' and asset = 'BTC' and direction = 'debit'",
+        )
+        .await;
+    assert_eq!(fees, fee.to_string(), "the cancel's real fee left custody for the network");
+    // A cancel inside a batch is refused; the batch stands.
+    let a = p.request("a", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal;
+    let b = p.request("b", &p.sim.address(AddrKind::P2tr, 3), 100_000).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(a.id).await.tx_hash, p.load(b.id).await.tx_hash, "one transaction pays both");
+    let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), a.id, "alice").await.unwrap_err();
+    assert!(refused.to_string().contains("the batch stands"), "{refused}");
+    p.settle(&[&worker], &[a.id, b.id], 4).await;
+    assert_eq!(p.load(a.id).await.state, WithdrawalState::Confirmed);
+    p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_loses_to_the_original_mining_first() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    p.sim.mine_mempool();
+    actions::cancel(&mut p.db.pool.get().await.unwrap(), w.id, "alice").await.unwrap();
+    p.scan().await;
+    p.settle(&[&worker], &[w.id], 4).await;
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Confirmed, "the original paid");
+    p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reorged_payout_is_sent_again_and_settled_once() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, ..BtcConfig::default() });
+    let w = p.request("w", &p.sim.address(AddrKind::P2wsh, 2), 200_000).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    let txid: Txid = p.load(w.id).await.tx_hash.unwrap().parse().unwrap();
+    p.sim.mine_mempool();
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Mined);
+    // The block is replaced by two without it.
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.unmined, 1, "{report:?}");
+    assert!(p.sim.mempool().contains(&txid), "the mined bytes went out again");
+    p.settle(&[&worker], &[w.id], 6).await;
+    let events = p.events(w.id).await;
+    let confirmed = events.iter().filter(|e| matches!(e, WithdrawalEvent::Confirmed { .. })).count();
+    assert_eq!((p.load(w.id).await.state, confirmed), (WithdrawalState::Confirmed, 1));
+    p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_the_lane() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
+    p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    // Someone with the key spends the reserved coin elsewhere first.
+    let coin: (String, i32) = {
+        let row =
+            p.db.client().await.query_one("select tx_hash, output_index from utxo_reservation", &[]).await.unwrap();
+        (row.get(0), row.get(1))
+    };
+    let outpoint = OutPoint { txid: coin.0.parse().unwrap(), vout: coin.1 as u32 };
+    let mut theft = custodian_withdrawals::btc::tx::unsigned(
+        &[&custodian_withdrawals::btc::tx::Coin {
+            outpoint,
+            amount: 1_000_000,
+            path: custodian_withdrawals::btc_key::KeyPath::Funding,
+        }],
+        vec![custodian_withdrawals::btc::tx::pay(p.sim.address(AddrKind::P2wpkh, 66).script_pubkey(), 990_000)],
+    );
+    p.keys["b0"].sign(&mut theft, &[(custodian_withdrawals::btc_key::KeyPath::Funding, Sats::from_sat(1_000_000))]);
+    p.sim.mine(&[theft]);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.needs_review, report.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{report:?}");
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::NeedsReview);
+    let lane = hot_wallet::lanes_on(&p.db.pool.get().await.unwrap(), Chain::Btc.as_str()).await.unwrap();
+    assert!(lane[0].pause_reason.as_deref().unwrap().contains("spent outside the service"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
+    let p = Payouts::new(1, 1, 300_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    let w = p.request("big", &p.sim.address(AddrKind::P2wpkh, 2), 1_000_000).await.unwrap().withdrawal;
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.signed, report.short_lanes.len()), (0, 1), "{report:?}");
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Requested, "no partial payment");
+    assert!(p.sim.mempool().is_empty());
+    let short = p.value("select coalesce(shortage, '') from hot_wallet where chain = 'btc'").await;
+    assert!(short.contains("300000 spendable satoshis"), "{short}");
+    // A top-up arrives and is confirmed: the withdrawal proceeds.
+    let top_up = p.sim.pay(&[(p.funding[0].clone(), Sats::from_sat(2_000_000))]);
+    p.sim.mine(&[top_up]);
+    p.sim.mine_empty(6);
+    p.scan().await;
+    p.settle(&[&worker], &[w.id], 4).await;
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Confirmed);
+    assert_eq!(p.value("select coalesce(shortage, 'none') from hot_wallet where chain = 'btc'").await, "none");
+    p.verify().await;
+}

@@ -8,7 +8,7 @@ use alloy_primitives::{keccak256, U256};
 use custodian_domain::withdrawal::WithdrawalState;
 use custodian_domain::{Amount, EthAddress};
 use custodian_testkit::eventually;
-use custodian_withdrawals::request::{self, Request};
+use custodian_withdrawals::request::{self, Destination, Request};
 use custodian_withdrawals::{actions, hot_wallet, sql, Worker, WorkerConfig};
 use serde_json::{json, Value};
 
@@ -75,7 +75,7 @@ impl Token {
             account_id: account,
             external_id: external_id.to_owned(),
             asset: self.asset.clone(),
-            destination: EthAddress::parse(to).unwrap(),
+            destination: Destination::Eth(EthAddress::parse(to).unwrap()),
             amount: Amount::from_u64(amount),
             requested_by: "wallet-app".to_owned(),
         };

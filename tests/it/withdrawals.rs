@@ -12,7 +12,7 @@ use custodian_domain::{Amount, EthAddress};
 use custodian_projections::replay;
 use custodian_testkit::{eventually, Anvil, TestDb};
 use custodian_withdrawals::limits::{self, LimitChange};
-use custodian_withdrawals::request::{self, Request, RequestError};
+use custodian_withdrawals::request::{self, Destination, Request, RequestError};
 use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::{json, Value};
 
@@ -87,7 +87,7 @@ impl Harness {
             account_id: account,
             external_id: external_id.to_owned(),
             asset: "ETH".to_owned(),
-            destination: EthAddress::parse(to).unwrap(),
+            destination: Destination::Eth(EthAddress::parse(to).unwrap()),
             amount: Amount::from_units(U256::from(wei)),
             requested_by: "wallet-app".to_owned(),
         };
@@ -341,7 +341,7 @@ async fn an_erc20_withdrawal_the_hot_wallet_cannot_cover_waits_without_a_nonce_i
             account_id: bob,
             external_id: "tt-1".into(),
             asset: asset.clone(),
-            destination: EthAddress::parse(&destination(7)).unwrap(),
+            destination: Destination::Eth(EthAddress::parse(&destination(7)).unwrap()),
             amount: Amount::from_u64(1_000_000),
             requested_by: "wallet-app".into(),
         },

@@ -123,6 +123,24 @@ pub async fn cancel(
             sql::post(&tx, &w, Movement::Release, Amount::ZERO).await?;
         }
         WithdrawalState::Signed | WithdrawalState::Broadcast => {
+            // A BTC cancel replaces the whole transaction: inside a batch it would cancel the
+            // other withdrawals too, so it is refused and the batch stands.
+            let batch: i64 = tx
+                .query_one(
+                    "select count(*) from btc_spend_payout
+                      where spend_id = (select spend_id from btc_spend_payout where withdrawal_id = $1)",
+                    &[&id],
+                )
+                .await?
+                .get(0);
+            if batch > 1 {
+                return Err(ActionError::WrongState {
+                    id,
+                    state: w.state.as_str(),
+                    message: "it is paid by one transaction together with other withdrawals (a batch); cancelling it \
+                              would replace that transaction and cancel them too, so the batch stands",
+                });
+            }
             sql::append(&tx, &mut w, WithdrawalEvent::CancelRequested { by: by.to_owned() }).await?;
         }
         WithdrawalState::CancelRequested | WithdrawalState::Cancelled => return Ok((w, false)),

@@ -7,8 +7,10 @@ use std::fmt;
 use std::path::Path;
 
 use bitcoin::bip32::{ChildNumber, Xpriv, Xpub};
-use bitcoin::secp256k1::{All, Secp256k1};
-use bitcoin::{Address, CompressedPublicKey, NetworkKind};
+use bitcoin::hashes::Hash;
+use bitcoin::secp256k1::{All, Message, Secp256k1};
+use bitcoin::sighash::{EcdsaSighashType, SighashCache};
+use bitcoin::{Address, CompressedPublicKey, NetworkKind, ScriptBuf, Transaction, Witness};
 use custodian_domain::BtcNetwork;
 use zeroize::Zeroizing;
 
@@ -134,6 +136,62 @@ impl BtcHotKey {
     /// The change address `…/1/{index}`.
     pub fn change_address(&self, index: u32) -> Address {
         self.address(1, index)
+    }
+
+    /// The address a coin of this account pays.
+    pub fn address_of(&self, path: KeyPath) -> Address {
+        let (chain, index) = path.steps();
+        self.address(chain, index)
+    }
+
+    /// Signs every input of `tx`, each spending a P2WPKH coin of this account worth `value` at
+    /// `path` (BIP-143, `SIGHASH_ALL`). The derived private keys are erased after use.
+    pub fn sign(&self, tx: &mut Transaction, prevouts: &[(KeyPath, bitcoin::Amount)]) {
+        assert_eq!(tx.input.len(), prevouts.len(), "BUG: one prevout per input");
+        let mut witnesses = Vec::with_capacity(prevouts.len());
+        {
+            let mut cache = SighashCache::new(&*tx);
+            for (input, (path, value)) in prevouts.iter().enumerate() {
+                let (chain, index) = path.steps();
+                let mut child = self
+                    .account
+                    .derive_priv(&self.secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
+                    .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
+                let public = CompressedPublicKey(child.private_key.public_key(&self.secp));
+                let script = ScriptBuf::new_p2wpkh(&public.wpubkey_hash());
+                let sighash = cache
+                    .p2wpkh_signature_hash(input, &script, *value, EcdsaSighashType::All)
+                    .expect("BUG: every input has a prevout and the script is P2WPKH");
+                let message = Message::from_digest(sighash.to_byte_array());
+                let signature = bitcoin::ecdsa::Signature {
+                    signature: self.secp.sign_ecdsa(&message, &child.private_key),
+                    sighash_type: EcdsaSighashType::All,
+                };
+                child.private_key.non_secure_erase();
+                witnesses.push(Witness::p2wpkh(&signature, &public.0));
+            }
+        }
+        for (input, witness) in tx.input.iter_mut().zip(witnesses) {
+            input.witness = witness;
+        }
+    }
+}
+
+/// Which of a hot wallet's addresses a coin pays: its funding address `…/0/0` or change `…/1/i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPath {
+    /// `…/0/0`.
+    Funding,
+    /// `…/1/{index}`.
+    Change(u32),
+}
+
+impl KeyPath {
+    fn steps(self) -> (u32, u32) {
+        match self {
+            KeyPath::Funding => (0, 0),
+            KeyPath::Change(index) => (1, index),
+        }
     }
 }
 

@@ -63,11 +63,16 @@ pub enum HotWalletError {
 
 /// Every ETH lane, by name.
 pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_postgres::Error> {
+    lanes_on(client, "eth").await
+}
+
+/// Every lane of `chain` (`eth` or `btc`), by name.
+pub async fn lanes_on<C: GenericClient>(client: &C, chain: &str) -> Result<Vec<Lane>, tokio_postgres::Error> {
     let rows = client
         .query(
             "select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
-               from hot_wallet where chain = 'eth' order by lane",
-            &[],
+               from hot_wallet where chain = $1 order by lane",
+            &[&chain],
         )
         .await?;
     Ok(rows

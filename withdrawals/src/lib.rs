@@ -7,6 +7,7 @@
 //! scanning.
 
 pub mod actions;
+pub mod btc;
 pub mod btc_key;
 pub mod hot_wallet;
 pub mod limits;

@@ -3,7 +3,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress};
 use custodian_store::AppendError;
 use serde::Serialize;
 
@@ -16,10 +16,10 @@ pub struct Request {
     pub account_id: i64,
     /// The client's idempotency key.
     pub external_id: String,
-    /// Asset key (`ETH` or `eth:0x…`).
+    /// Asset key (`ETH`, `eth:0x…` or `BTC`).
     pub asset: String,
-    /// Destination.
-    pub destination: EthAddress,
+    /// Destination, on the asset's chain.
+    pub destination: Destination,
     /// Smallest units, positive.
     pub amount: Amount,
     /// The authenticated principal asking (an API token's name): recorded in the `requested`
@@ -70,9 +70,9 @@ pub enum RequestError {
         /// Why.
         reason: String,
     },
-    /// No hot wallet is registered.
-    #[error("no hot wallet is registered for eth: `custodian hot-wallet add` first")]
-    NoHotWallet,
+    /// No hot wallet is registered on the chain.
+    #[error("no hot wallet is registered for {0}: `custodian hot-wallet add` first")]
+    NoHotWallet(&'static str),
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] tokio_postgres::Error),
@@ -88,15 +88,90 @@ impl From<StoreError> for RequestError {
     }
 }
 
-/// Parses the parts of a request that need only the asset's decimals: the checksummed
-/// destination and a positive amount within the asset's decimals.
-pub fn parse(destination: &str, amount: &str, decimals: u8) -> Result<(EthAddress, Amount), RequestError> {
-    let destination = EthAddress::parse(destination.trim()).map_err(|e| RequestError::Invalid(e.to_string()))?;
-    let amount = Amount::parse_decimal(amount, decimals).map_err(|e| RequestError::Invalid(e.to_string()))?;
+/// Where a withdrawal pays: an address on the asset's chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destination {
+    /// A checksummed (or all-lowercase) Ethereum address.
+    Eth(EthAddress),
+    /// A standard Bitcoin address (P2PKH, P2SH, P2WPKH, P2WSH, P2TR) on the configured network.
+    Btc(BtcAddress),
+}
+
+impl Destination {
+    /// The chain it is on.
+    pub fn chain(&self) -> Chain {
+        match self {
+            Destination::Eth(_) => Chain::Eth,
+            Destination::Btc(_) => Chain::Btc,
+        }
+    }
+
+    /// As stored: lowercase hex for ETH, the address string for BTC.
+    pub fn stored(&self) -> String {
+        match self {
+            Destination::Eth(address) => address.to_lowercase_hex(),
+            Destination::Btc(address) => address.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Destination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Destination::Eth(address) => f.write_str(&address.to_checksummed()),
+            Destination::Btc(address) => write!(f, "{address}"),
+        }
+    }
+}
+
+/// Parses the parts of a request that need only the asset: the destination on its chain (for BTC,
+/// a standard address of `network`) and a positive amount within the asset's decimals (for BTC,
+/// at least the destination type's dust limit, which Bitcoin Core would not relay).
+pub fn parse(
+    chain: Chain,
+    network: BtcNetwork,
+    destination: &str,
+    amount: &str,
+    decimals: u8,
+) -> Result<(Destination, Amount), RequestError> {
+    let invalid = |e: &dyn std::fmt::Display| RequestError::Invalid(e.to_string());
+    let destination = match chain {
+        Chain::Eth => Destination::Eth(EthAddress::parse(destination.trim()).map_err(|e| invalid(&e))?),
+        Chain::Btc => Destination::Btc(BtcAddress::parse(destination.trim(), network).map_err(|e| invalid(&e))?),
+    };
+    let amount = Amount::parse_decimal(amount, decimals).map_err(|e| invalid(&e))?;
     if amount.is_zero() {
         return Err(RequestError::Invalid("amount must be greater than zero".into()));
     }
+    if let Destination::Btc(address) = &destination {
+        let script = address.as_bitcoin().script_pubkey();
+        if !script.is_p2pkh() && !script.is_p2sh() && !script.is_p2wpkh() && !script.is_p2wsh() && !script.is_p2tr() {
+            return Err(RequestError::Invalid(format!(
+                "{address} is not a standard destination (P2PKH, P2SH, P2WPKH, P2WSH or P2TR)"
+            )));
+        }
+        let dust = script.minimal_non_dust().to_sat();
+        if amount.units() < U256::from(dust) {
+            return Err(RequestError::Invalid(format!(
+                "{} BTC to {address} is below its dust limit of {dust} satoshis, which nodes do not relay",
+                amount.to_decimal_string(8)
+            )));
+        }
+    }
     Ok((destination, amount))
+}
+
+/// Finds a withdrawable asset by key or symbol, on any chain: its key, decimals and chain.
+pub async fn find_asset<C: deadpool_postgres::GenericClient>(
+    client: &C,
+    name: &str,
+) -> Result<Option<(String, u8, Chain)>, tokio_postgres::Error> {
+    for chain in [Chain::Eth, Chain::Btc] {
+        if let Some((key, decimals)) = custodian_store::ownership::find_asset(client, chain, name).await? {
+            return Ok(Some((key, decimals, chain)));
+        }
+    }
+    Ok(None)
 }
 
 /// FNV-1a of the id: a stable lane choice that every process computes alike.
@@ -113,7 +188,7 @@ fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     if existing.asset != request.asset {
         fields.push("asset");
     }
-    if existing.destination != request.destination.to_lowercase_hex() {
+    if existing.destination != request.destination.stored() {
         fields.push("destination");
     }
     if existing.amount != request.amount {
@@ -171,19 +246,38 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
     if request.requested_by.trim().is_empty() {
         return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
     }
+    let chain = request.destination.chain().as_str();
     let asset = tx
         .query_opt(
-            "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = 'eth'",
-            &[&request.asset],
+            "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2",
+            &[&request.asset, &chain],
         )
         .await?
-        .ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?}", request.asset)))?;
+        .ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset)))?;
     let approval_limit: Option<U256> = asset.get(0);
     let approvals = u32::try_from(asset.get::<_, i16>(1)).expect("BUG: approvals_required is checked positive");
     let daily_limit: Option<U256> = asset.get(2);
-    let destination = request.destination.to_lowercase_hex();
-    if tx.query_opt("select 1 from hot_wallet where chain = 'eth' and address = $1", &[&destination]).await?.is_some() {
+    let destination = request.destination.stored();
+    if tx
+        .query_opt("select 1 from hot_wallet where chain = $1 and address = $2", &[&chain, &destination])
+        .await?
+        .is_some()
+    {
         return Err(RequestError::Invalid(format!("{} is one of our hot wallets", request.destination)));
+    }
+    // BTC: paying one of our own addresses (a deposit address, a change address) would only move
+    // a coin between our keys, at a fee, and credit nobody.
+    if chain == "btc" {
+        let ours = tx
+            .query_opt(
+                "select 1 from wallet_address where chain = 'btc' and address = $1
+                 union all select 1 from btc_change_address where chain = 'btc' and address = $1 limit 1",
+                &[&destination],
+            )
+            .await?;
+        if ours.is_some() {
+            return Err(RequestError::Invalid(format!("{} is one of our own addresses", request.destination)));
+        }
     }
     // The account row lock serialises requests of one account: the balance read below cannot be
     // spent twice by concurrent requests.
@@ -233,9 +327,9 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
         _ => None,
     };
     // Retired lanes finish what they hold and take nothing new.
-    let lanes: Vec<_> = crate::hot_wallet::lanes(&tx).await?.into_iter().filter(|l| !l.retired).collect();
+    let lanes: Vec<_> = crate::hot_wallet::lanes_on(&tx, chain).await?.into_iter().filter(|l| !l.retired).collect();
     if lanes.is_empty() {
-        return Err(RequestError::NoHotWallet);
+        return Err(RequestError::NoHotWallet(chain));
     }
     let id: i64 = tx.query_one("select nextval('withdrawal_id_seq')", &[]).await?.get(0);
     let lane = &lanes[lane_index(id, lanes.len())];

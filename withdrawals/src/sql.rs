@@ -46,7 +46,7 @@ pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Res
 const UPSERT: &str = "
 insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, from_address,
                         nonce, tx_hash, mined_block_hash, last_seq, requested_by, stuck_at_cap)
-values ($1, $2, $3, 'eth', $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''), $15)
+values ($1, $2, $3, case $4 when 'BTC' then 'btc' else 'eth' end, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''), $15)
 on conflict (id) do update set state = excluded.state, from_address = excluded.from_address, nonce = excluded.nonce,
     tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
     stuck_at_cap = excluded.stuck_at_cap, updated_at = now()";
@@ -115,6 +115,15 @@ pub enum Movement {
     Fee,
 }
 
+/// The asset a withdrawal of `asset` pays its network fee in.
+pub fn fee_asset(asset: &str) -> &'static str {
+    if asset == "BTC" {
+        "BTC"
+    } else {
+        "ETH"
+    }
+}
+
 /// Posts one of a withdrawal's transfers; a second post of the same kind is a no-op.
 pub async fn post(
     tx: &Transaction<'_>,
@@ -130,7 +139,8 @@ pub async fn post(
             ("withdrawal_release", "release", "withdrawal_holds", user.as_str(), w.asset.as_str(), w.amount)
         }
         Movement::Settle => ("withdrawal_settle", "settle", "withdrawal_holds", "custody", w.asset.as_str(), w.amount),
-        Movement::Fee => ("network_fee", "fee", "network_fees", "custody", "ETH", fee),
+        // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
+        Movement::Fee => ("network_fee", "fee", "network_fees", "custody", fee_asset(&w.asset), fee),
     };
     if amount.is_zero() {
         return Ok(());
@@ -286,19 +296,32 @@ pub async fn pause_lane<C: GenericClient>(
     reason: &str,
     needs_resync: bool,
 ) -> Result<bool, tokio_postgres::Error> {
+    pause_lane_on(client, "eth", lane, reason, needs_resync).await
+}
+
+/// Pauses a lane of `chain` with a reason (kept if already paused).
+pub async fn pause_lane_on<C: GenericClient>(
+    client: &C,
+    chain: &str,
+    lane: &str,
+    reason: &str,
+    needs_resync: bool,
+) -> Result<bool, tokio_postgres::Error> {
     if needs_resync {
         // Marked even when the lane was paused already for another reason: resuming it now
         // takes a resync first.
-        client.execute("update hot_wallet set needs_resync = true where chain = 'eth' and lane = $1", &[&lane]).await?;
+        client
+            .execute("update hot_wallet set needs_resync = true where chain = $2 and lane = $1", &[&lane, &chain])
+            .await?;
     }
     let paused = client
         .execute(
-            "update hot_wallet set paused_at = now(), pause_reason = $2 where chain = 'eth' and lane = $1 and paused_at is null",
-            &[&lane, &reason],
+            "update hot_wallet set paused_at = now(), pause_reason = $2 where chain = $3 and lane = $1 and paused_at is null",
+            &[&lane, &reason, &chain],
         )
         .await?;
     if paused > 0 {
-        tracing::error!(lane, reason, "ALERT: lane paused");
+        tracing::error!(chain, lane, reason, "ALERT: lane paused");
         metrics::gauge!("custodian_lanes_paused").increment(1.0);
     }
     Ok(paused > 0)

@@ -149,19 +149,19 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let asset = wire::required(&message.asset, "asset")?;
         let mut client = self.state.client().await?;
         account_by_id(&client, message.account_id).await?;
-        // Withdrawals pay out on eth, the only chain with hot wallets.
-        let (asset, asset_decimals) =
-            custodian_store::ownership::find_asset(&client, custodian_domain::Chain::Eth, asset)
-                .await
-                .map_err(|e| status::database("resolving the asset", &e))?
-                .ok_or_else(|| {
-                    Status::invalid_argument(format!(
-                        "unknown asset {asset:?}: withdrawals pay out ETH and registered ERC-20 tokens, \
+        let (asset, asset_decimals, chain) = request::find_asset(&client, asset)
+            .await
+            .map_err(|e| status::database("resolving the asset", &e))?
+            .ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "unknown asset {asset:?}: withdrawals pay out ETH, registered ERC-20 tokens and BTC, \
                      named by symbol or key"
-                    ))
-                })?;
+                ))
+            })?;
         let (amount, decimals) = amount_input(message.amount.as_ref(), asset_decimals)?;
-        let (destination, amount) = request::parse(&message.destination, amount, decimals).map_err(status::request)?;
+        let (destination, amount) =
+            request::parse(chain, self.state.btc_network, &message.destination, amount, decimals)
+                .map_err(status::request)?;
         let parsed = WithdrawalRequest {
             account_id: message.account_id,
             external_id: external_id.to_owned(),

@@ -142,6 +142,59 @@ impl std::fmt::Display for PaidAs {
     }
 }
 
+/// Checks a locked withdrawal row (its columns from `first`: id, account_id, asset, destination,
+/// amount, last_seq, event types, payloads) against its event stream: the fold must be
+/// `requested` at the row's sequence, and pay what the row says. Returns the fold, or the id and
+/// why nothing may be signed for it.
+pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Result<Withdrawal, (i64, String)> {
+    let id: i64 = row.get(first);
+    let projected = PaidAs {
+        account_id: row.get(first + 1),
+        asset: row.get(first + 2),
+        destination: row.get(first + 3),
+        amount: Amount::from_units(row.get::<_, U256>(first + 4)),
+    };
+    let types: Vec<String> = row.get::<_, Option<Vec<String>>>(first + 6).unwrap_or_default();
+    let payloads: Vec<serde_json::Value> = row.get::<_, Option<Vec<serde_json::Value>>>(first + 7).unwrap_or_default();
+    let stream: Result<Vec<WithdrawalEvent>, _> =
+        types.iter().zip(&payloads).map(|(t, p)| WithdrawalEvent::from_stored(t, p)).collect();
+    let folded = stream.ok().and_then(|events| Withdrawal::fold(id, &events));
+    let row_seq: i32 = row.get(first + 5);
+    let Some(folded) = folded else {
+        return Err((
+            id,
+            format!("the withdrawal row has no readable event stream ({} events); nothing was signed", types.len()),
+        ));
+    };
+    if folded.state != WithdrawalState::Requested || folded.last_seq != row_seq {
+        return Err((
+            id,
+            format!(
+                "the withdrawal row says requested at event {row_seq}, its event stream says {} at event {}; \
+                 nothing was signed",
+                folded.state.as_str(),
+                folded.last_seq
+            ),
+        ));
+    }
+    let fact = PaidAs {
+        account_id: folded.account_id,
+        asset: folded.asset.clone(),
+        destination: folded.destination.clone(),
+        amount: folded.amount,
+    };
+    if fact != projected {
+        return Err((
+            id,
+            format!(
+                "the withdrawal row does not match its requested event: the event pays {fact}, the row says \
+                 {projected}; nothing was signed"
+            ),
+        ));
+    }
+    Ok(folded)
+}
+
 /// What the lane can still spend, per asset: the hot wallet's balance at the latest block less
 /// what its in-flight attempts may still take (for ether the worst case of every sibling: value
 /// plus its whole gas at its max fee), less what this round has already planned.
@@ -401,83 +454,15 @@ impl Worker {
         let mut tampered = Vec::new();
         let mut nonce = next_nonce;
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
-            let id: i64 = row.get(2);
-            let projected = PaidAs {
-                account_id: row.get(3),
-                asset: row.get(4),
-                destination: row.get(5),
-                amount: Amount::from_units(row.get::<_, U256>(6)),
+            let fact = match verified_request(row, 2) {
+                Ok(fact) => fact,
+                Err(found) => {
+                    tampered.push(found);
+                    continue;
+                }
             };
-            let types: Vec<String> = row.get::<_, Option<Vec<String>>>(8).unwrap_or_default();
-            let payloads: Vec<serde_json::Value> = row.get::<_, Option<Vec<serde_json::Value>>>(9).unwrap_or_default();
-            let stream: Result<Vec<WithdrawalEvent>, _> =
-                types.iter().zip(&payloads).map(|(t, p)| WithdrawalEvent::from_stored(t, p)).collect();
-            let folded = stream.ok().and_then(|events| Withdrawal::fold(id, &events));
-            let row_seq: i32 = row.get(7);
-            let Some(folded) = folded else {
-                tampered.push((
-                    id,
-                    format!(
-                        "the withdrawal row has no readable event stream ({} events); nothing was signed",
-                        types.len()
-                    ),
-                ));
-                continue;
-            };
-            if folded.state != WithdrawalState::Requested || folded.last_seq != row_seq {
-                tampered.push((
-                    id,
-                    format!(
-                        "the withdrawal row says requested at event {row_seq}, its event stream says {} at event {}; \
-                         nothing was signed",
-                        folded.state.as_str(),
-                        folded.last_seq
-                    ),
-                ));
-                continue;
-            }
-            let fact = PaidAs {
-                account_id: folded.account_id,
-                asset: folded.asset,
-                destination: folded.destination,
-                amount: folded.amount,
-            };
-            if fact != projected {
-                tampered.push((
-                    id,
-                    format!(
-                        "the withdrawal row does not match its requested event: the event pays {fact}, the row says \
-                         {projected}; nothing was signed"
-                    ),
-                ));
-                continue;
-            }
             // Signed from the fact, which the projection matched.
-            let w = Withdrawal {
-                id,
-                account_id: fact.account_id,
-                external_id: String::new(),
-                asset: fact.asset,
-                destination: fact.destination,
-                amount: fact.amount,
-                state: WithdrawalState::Requested,
-                lane: lane.lane.clone(),
-                from_address: None,
-                nonce: None,
-                tx_hash: None,
-                mined_block_hash: None,
-                last_seq: row.get(7),
-                state_before_cancel: None,
-                attempt_at_block: None,
-                live_attempt: None,
-                stuck_at_cap: false,
-                mined_block_number: None,
-                settled: false,
-                treasury: false,
-                requested_by: String::new(),
-                approvals_required: 0,
-                approvers: Vec::new(),
-            };
+            let w = fact;
             let payout::Call { to, value, data: input } = payout_call(&w);
             batch.intent_to.push(hex(to));
             batch.intent_value.push(value);
@@ -501,14 +486,14 @@ impl Worker {
         if !tampered.is_empty() {
             // Sign nothing: someone changed what a withdrawal pays behind the event stream.
             tx.rollback().await?;
-            self.review_tampered(lane, tampered).await?;
+            review_tampered(&self.pool, "eth", &lane.lane, tampered).await?;
             return Ok(0);
         }
         for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
             let hash = hex(signed_tx.hash);
             let event = WithdrawalEvent::Signed {
                 from_address: lane.address.clone(),
-                nonce: u64::try_from(*nonce).expect("BUG: negative nonce"),
+                nonce: Some(u64::try_from(*nonce).expect("BUG: negative nonce")),
                 tx_hash: hash.clone(),
                 at_block: head,
             };
@@ -547,44 +532,44 @@ impl Worker {
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(signed);
         Ok(signed)
     }
+}
 
-    /// Each withdrawal whose projection disagrees with its event stream (what it pays, its state
-    /// or its sequence) goes to `needs_review` with both versions, and the lane pauses: nothing
-    /// more leaves it until a person has looked. A row without a readable stream cannot take an
-    /// event; it is alerted on and its lane pauses all the same.
-    async fn review_tampered(&self, lane: &Lane, tampered: Vec<(i64, String)>) -> Result<(), WorkError> {
-        for (id, reason) in tampered {
-            tracing::error!(withdrawal = id, lane = %lane.lane, %reason, "ALERT: withdrawal projection tampered with");
-            metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
-            let mut client = self.pool.get().await?;
-            let tx = client.transaction().await?;
-            if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
-                continue;
-            }
-            let events: Result<Vec<WithdrawalEvent>, _> = tx
-                .query("select event_type, payload from withdrawal_event where withdrawal_id = $1 order by seq", &[&id])
-                .await?
-                .iter()
-                .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
-                .collect();
-            let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
-            if !w.holds_funds() {
-                // Settled, cancelled or refused: its money is where its events put it. Put the
-                // row back as the stream says; there is nothing left for a person to decide.
-                sql::write_projection(&tx, &w).await?;
-                tx.commit().await?;
-            } else if w.state != WithdrawalState::NeedsReview {
-                sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
-                tx.commit().await?;
-            }
+/// Each withdrawal whose projection disagrees with its event stream (what it pays, its state
+/// or its sequence) goes to `needs_review` with both versions, and the lane pauses: nothing
+/// more leaves it until a person has looked. A row without a readable stream cannot take an
+/// event; it is alerted on and its lane pauses all the same.
+pub(crate) async fn review_tampered(
+    pool: &custodian_store::Pool,
+    chain: &str,
+    lane: &str,
+    tampered: Vec<(i64, String)>,
+) -> Result<(), WorkError> {
+    for (id, reason) in tampered {
+        tracing::error!(withdrawal = id, lane, %reason, "ALERT: withdrawal projection tampered with");
+        metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
+        let mut client = pool.get().await?;
+        let tx = client.transaction().await?;
+        if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
+            continue;
         }
-        sql::pause_lane(
-            &self.pool.get().await?,
-            &lane.lane,
-            "a withdrawal row did not match its requested event",
-            false,
-        )
-        .await?;
-        Ok(())
+        let events: Result<Vec<WithdrawalEvent>, _> = tx
+            .query("select event_type, payload from withdrawal_event where withdrawal_id = $1 order by seq", &[&id])
+            .await?
+            .iter()
+            .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
+            .collect();
+        let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
+        if !w.holds_funds() {
+            // Settled, cancelled or refused: its money is where its events put it. Put the
+            // row back as the stream says; there is nothing left for a person to decide.
+            sql::write_projection(&tx, &w).await?;
+            tx.commit().await?;
+        } else if w.state != WithdrawalState::NeedsReview {
+            sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
+            tx.commit().await?;
+        }
     }
+    sql::pause_lane_on(&pool.get().await?, chain, lane, "a withdrawal row did not match its requested event", false)
+        .await?;
+    Ok(())
 }

@@ -11,6 +11,7 @@
 //! (receipts against intents, the cursor check); the pure parts live in [`crate::payout`].
 
 mod allocation;
+pub(crate) use allocation::{review_tampered, verified_request};
 mod broadcast;
 mod replacement;
 mod settlement;
@@ -98,6 +99,9 @@ pub enum WorkError {
         /// What the node says.
         node: String,
     },
+    /// A Bitcoin node call failed; the pass is retried later.
+    #[error("Bitcoin node: {0}")]
+    Bitcoin(#[from] crate::btc::node::BtcNodeError),
     /// The database failed.
     #[error("database error: {0}")]
     Database(String),
@@ -167,6 +171,35 @@ pub struct PassReport {
     pub paused_lanes: Vec<String>,
     /// Lanes whose part of this pass failed transiently, with the error: the other lanes went on.
     pub lane_errors: Vec<String>,
+}
+
+/// Appends `event` to `id` under its row lock, with the transfers it implies, if the locked
+/// withdrawal still passes `still` (another worker may have moved it since it was read: then
+/// nothing is written and `false` is returned). Both chains' workers record through here.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub(crate) async fn record(
+    pool: &Pool,
+    id: i64,
+    still: impl Fn(&Withdrawal) -> bool,
+    event: WithdrawalEvent,
+    movements: &[(Movement, Amount)],
+) -> Result<bool, WorkError> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    let mut w = sql::lock(&tx, id).await?.expect("BUG: recording on a missing withdrawal");
+    if !still(&w) {
+        return Ok(false);
+    }
+    let state = event.event_type();
+    sql::append(&tx, &mut w, event).await?;
+    for (movement, fee) in movements {
+        sql::post(&tx, &w, *movement, *fee).await?;
+    }
+    tx.commit().await?;
+    metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
+    Ok(true)
 }
 
 /// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].
@@ -355,20 +388,7 @@ impl Worker {
         event: WithdrawalEvent,
         movements: &[(Movement, Amount)],
     ) -> Result<bool, WorkError> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let mut w = sql::lock(&tx, id).await?.expect("BUG: recording on a missing withdrawal");
-        if !still(&w) {
-            return Ok(false);
-        }
-        let state = event.event_type();
-        sql::append(&tx, &mut w, event).await?;
-        for (movement, fee) in movements {
-            sql::post(&tx, &w, *movement, *fee).await?;
-        }
-        tx.commit().await?;
-        metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
-        Ok(true)
+        record(&self.pool, id, still, event, movements).await
     }
 
     async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {

@@ -1,0 +1,977 @@
+//! Bitcoin withdrawals (DESIGN §7b): the same event streams, states and ledger movements as ETH;
+//! the scarce resource is the unspent output, and the reservation plays the nonce's part.
+//!
+//! One pass per lane: settle (by which transaction spent the reserved coins on the canonical
+//! chain, as the scanner observed it), then, unless the lane is paused, allocate-and-sign a batch,
+//! sign cancel replacements, broadcast the stored bytes, and bump by replacement (BIP-125). Node
+//! calls happen before or after database transactions, never inside one; what is signed is
+//! stored before it is sent, and a timeout is answered by sending the same bytes again.
+//!
+//! The seams: [`tx`] (weights, fees, coin selection, replacement fees: pure), [`node`] (the calls
+//! to Bitcoin Core and how its answers are classified), and this module (the SQL and the steps).
+
+pub mod node;
+pub mod tx;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use alloy_primitives::U256;
+use bitcoin::consensus::{deserialize, serialize};
+use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
+use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::{Amount, BtcAddress, BtcNetwork};
+use custodian_store::Pool;
+use deadpool_postgres::GenericClient;
+use tokio::sync::watch;
+
+use self::node::{BtcNode, Sent};
+use self::tx::{Coin, FeeRate, P2WPKH_SCRIPT_LEN};
+use crate::btc_key::{BtcHotKey, KeyPath};
+use crate::hot_wallet::{self, Lane};
+use crate::sql::{self, Movement};
+use crate::worker::{record, verified_request, PassReport, WorkError};
+
+/// How BTC withdrawals are batched, priced and settled (`[btc]` in the configuration).
+#[derive(Debug, Clone)]
+pub struct BtcConfig {
+    /// The network destinations and keys are on.
+    pub network: BtcNetwork,
+    /// Withdrawals one transaction pays at most.
+    pub batch_max: i64,
+    /// How long the oldest waiting withdrawal may wait for a batch to fill.
+    pub batch_wait: Duration,
+    /// `estimatesmartfee`'s confirmation target, blocks.
+    pub fee_target_blocks: u16,
+    /// The fee rate floor (also used when the node has no estimate).
+    pub min_fee_rate: FeeRate,
+    /// No attempt pays more than this rate.
+    pub max_fee_rate: FeeRate,
+    /// The node's incremental relay fee (Core's default: 1 sat/vB).
+    pub incremental_fee_rate: FeeRate,
+    /// Blocks an accepted attempt may stay unmined before a replacement is signed.
+    pub bump_after_blocks: u64,
+    /// Blocks on top of (and including) the mined block before a withdrawal is confirmed.
+    pub confirmations: u64,
+}
+
+impl Default for BtcConfig {
+    fn default() -> Self {
+        BtcConfig {
+            network: BtcNetwork::Mainnet,
+            batch_max: 50,
+            batch_wait: Duration::from_secs(2),
+            fee_target_blocks: 6,
+            min_fee_rate: FeeRate::per_vb(1),
+            max_fee_rate: FeeRate::per_vb(500),
+            incremental_fee_rate: FeeRate::per_vb(1),
+            bump_after_blocks: 3,
+            confirmations: 3,
+        }
+    }
+}
+
+/// States in which a BTC withdrawal's spend is signed and not yet mined.
+const UNMINED: [WithdrawalState; 3] =
+    [WithdrawalState::Signed, WithdrawalState::Broadcast, WithdrawalState::CancelRequested];
+/// Our change outputs are P2WPKH: Core's dust limit for them.
+const CHANGE_DUST: u64 = 294;
+
+/// The worker for every BTC lane it holds a key for.
+pub struct BtcWorker {
+    pool: Pool,
+    node: BtcNode,
+    keys: HashMap<String, Arc<BtcHotKey>>,
+    config: BtcConfig,
+}
+
+/// A spend with open withdrawals: its id and its withdrawals, the first of which stands for all
+/// (every event of a spend is appended to each of its withdrawals alike).
+struct OpenSpend {
+    id: i64,
+    withdrawals: Vec<i64>,
+}
+
+/// A signed attempt as stored.
+struct StoredAttempt {
+    raw: Vec<u8>,
+    fee: u64,
+    vsize: u64,
+    kind: String,
+    change_output: Option<usize>,
+    change_index: Option<i32>,
+}
+
+fn sat(amount: &U256) -> u64 {
+    u64::try_from(*amount).expect("BUG: a BTC amount beyond 21 million coins")
+}
+
+fn units(sat: u64) -> Amount {
+    Amount::from_units(U256::from(sat))
+}
+
+fn path_of(change_index: Option<i32>) -> KeyPath {
+    change_index.map_or(KeyPath::Funding, |i| KeyPath::Change(u32::try_from(i).expect("BUG: negative change index")))
+}
+
+/// Splits `fee` across outputs by weight, the remainder to the first: integers that sum to `fee`.
+pub fn fee_shares(fee: u64, weights: &[u64]) -> Vec<u64> {
+    let total: u128 = weights.iter().map(|w| u128::from(*w)).sum::<u128>().max(1);
+    let mut shares: Vec<u64> = weights
+        .iter()
+        .map(|w| u64::try_from(u128::from(fee) * u128::from(*w) / total).expect("BUG: a share exceeds the fee"))
+        .collect();
+    let rest = fee - shares.iter().sum::<u64>();
+    if let Some(first) = shares.first_mut() {
+        *first += rest;
+    }
+    shares
+}
+
+/// The lane's row, its BTC wallet's change cursor, and the oldest requested withdrawals of the
+/// lane no other worker holds, each with its whole event stream ($1 lane, $2 at most).
+const LOCK_LANE_AND_WITHDRAWALS: &str = "
+with lane as (
+    select h.address, h.paused_at is not null as paused, b.next_change_index, h.shortage
+      from hot_wallet h join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
+     where h.chain = 'btc' and h.lane = $1
+       for update of h, b
+), ready as (
+    select id, account_id, asset, destination, amount, last_seq from withdrawal
+     where chain = 'btc' and lane = $1 and state = 'requested'
+     order by id limit $2 for update skip locked
+)
+select lane.address, lane.paused, lane.next_change_index, lane.shortage,
+       ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq,
+       (select array_agg(e.event_type order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id),
+       (select array_agg(e.payload order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id)
+  from lane left join ready on true
+ order by ready.id";
+
+/// The lane's spendable coins ($1 lane, $2 funding address): unspent on the canonical chain, not
+/// reserved by a live reservation, and either our own change (one confirmation: it is in a
+/// canonical block) or a coin the ledger credited to custody (confirmed by the deposit tiers).
+const SPENDABLE: &str = "
+select u.tx_hash, u.output_index, u.amount, c.derivation_index
+  from unspent_output u
+  left join btc_change_address c on c.chain = 'btc' and c.address = u.address and c.lane = $1
+ where u.chain = 'btc' and (u.address = $2 or c.address is not null)
+   and case when c.address is not null then exists (select 1 from btc_attempt a where a.tx_hash = u.tx_hash)
+            else exists (select 1 from ledger_transfer t
+                          where t.deposit_key = 'deposit:btc:' || u.tx_hash || ':output:' || u.output_index
+                            and t.kind = 'deposit') end
+   and not exists (select 1 from utxo_reservation r
+                    where r.chain = 'btc' and r.tx_hash = u.tx_hash and r.output_index = u.output_index
+                      and r.released_at is null)";
+
+/// Every write of an allocation in one statement: the spend, its change address, the attempt, the
+/// reservations, the payouts, the `signed` events, the projection and the change cursor. $1 lane,
+/// $2 change index (null: no change), $3 change address, $4 txid, $5 raw, $6 fee, $7 vsize,
+/// $8 change output, $9..$12 reserved coins (txid, vout, amount, change index), $13..$15 payouts
+/// (withdrawal, output, weight), $16 seqs, $17 payloads, $18 funding address, $19 next change index.
+const WRITE_ALLOCATION: &str = "
+with spend as (
+    insert into btc_spend (lane) values ($1) returning id
+), change as (
+    insert into btc_change_address (lane, derivation_index, address)
+    select $1, $2, $3 where $2::int is not null
+), attempt as (
+    insert into btc_attempt (tx_hash, spend_id, kind, raw_tx, fee, vsize, change_output, change_index)
+    select $4, spend.id, 'original', $5, $6, $7, $8, $2 from spend
+), reserved as (
+    insert into utxo_reservation (tx_hash, output_index, spend_id, amount, change_index)
+    select c.tx_hash, c.vout, spend.id, c.amount, c.change_index
+      from unnest($9::text[], $10::int[], $11::numeric[], $12::int[]) as c(tx_hash, vout, amount, change_index), spend
+), payouts as (
+    insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight)
+    select spend.id, p.id, p.vout, p.weight from unnest($13::bigint[], $14::int[], $15::int[]) as p(id, vout, weight), spend
+), appended as (
+    insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+    select e.id, e.seq, 'signed', e.payload from unnest($13::bigint[], $16::int[], $17::jsonb[]) as e(id, seq, payload)
+), projected as (
+    update withdrawal w set state = 'signed', from_address = $18, tx_hash = $4, last_seq = e.seq, updated_at = now()
+      from unnest($13::bigint[], $16::int[]) as e(id, seq)
+     where w.id = any($13) and w.id = e.id
+), cursor as (
+    update btc_hot_wallet set next_change_index = $19 where chain = 'btc' and lane = $1
+)
+select id from spend";
+
+impl BtcWorker {
+    /// A worker signing for `keys` (lane name → key).
+    pub fn new(pool: Pool, node: BtcNode, keys: HashMap<String, Arc<BtcHotKey>>, config: BtcConfig) -> BtcWorker {
+        BtcWorker { pool, node, keys, config }
+    }
+
+    /// Passes every `interval` until `stopped` turns true; a pass is never cut short. Transient
+    /// failures are logged and retried; returns the error retrying cannot help (a wrong key).
+    pub async fn run(&self, interval: Duration, mut stopped: watch::Receiver<bool>) -> Result<(), WorkError> {
+        while !*stopped.borrow() {
+            match self.pass().await {
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => tracing::warn!("BTC withdrawal pass failed, retried after the interval: {e}"),
+                Ok(_) => {}
+            }
+            tokio::select! {
+                _ = stopped.changed() => {}
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The height of the canonical chain as the scanner recorded it: settlement and bump ages
+    /// follow what was observed. `None` before the first scan.
+    async fn tip(&self) -> Result<Option<u64>, WorkError> {
+        let row = self.pool.get().await?.query_opt("select height from chain_tip where chain = 'btc'", &[]).await?;
+        Ok(row.map(|r| u64::try_from(r.get::<_, i64>(0)).expect("BUG: negative height")))
+    }
+
+    /// One pass over every BTC lane this worker holds a key for.
+    pub async fn pass(&self) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let Some(tip) = self.tip().await? else { return Ok(report) };
+        let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
+        for lane in lanes {
+            let Some(key) = self.keys.get(&lane.lane) else { continue };
+            let key_address = key.funding_address().to_string();
+            if key_address != lane.address {
+                return Err(WorkError::WrongKey { lane: lane.lane, key_address, lane_address: lane.address });
+            }
+            if let Err(e) = self.lane_pass(&lane, key, tip, &mut report).await {
+                if e.is_fatal() {
+                    return Err(e);
+                }
+                metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
+                tracing::warn!(lane = %lane.lane, "the BTC lane's pass failed; the other lanes go on: {e}");
+                report.lane_errors.push(format!("{}: {e}", lane.lane));
+            }
+        }
+        Ok(report)
+    }
+
+    async fn lane_pass(
+        &self,
+        lane: &Lane,
+        key: &BtcHotKey,
+        tip: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        self.settle(lane, tip, report).await?;
+        let paused = self
+            .pool
+            .get()
+            .await?
+            .query_one("select paused_at is not null from hot_wallet where chain = 'btc' and lane = $1", &[&lane.lane])
+            .await?
+            .get::<_, bool>(0);
+        if paused {
+            return Ok(());
+        }
+        let rate = self.fee_rate().await?;
+        self.allocate_with(lane, key, tip, rate, report).await?;
+        self.cancel_attempts(lane, key, tip, rate, report).await?;
+        let refused = self.broadcast(lane, tip, report).await?;
+        self.bump(lane, key, tip, rate, &refused, report).await?;
+        Ok(())
+    }
+
+    /// `estimatesmartfee` for the configured target, clamped to the configured floor and cap; the
+    /// floor when the node has no estimate yet.
+    async fn fee_rate(&self) -> Result<FeeRate, WorkError> {
+        let estimate = self.node.estimate_fee_rate(self.config.fee_target_blocks).await?;
+        let rate = estimate.unwrap_or(self.config.min_fee_rate);
+        Ok(rate.max(self.config.min_fee_rate).min(self.config.max_fee_rate))
+    }
+
+    /// Only the allocate-and-sign step for one lane: what a process that dies right after
+    /// committing would have done. Operators use `pass`.
+    pub async fn allocate_lane(&self, lane: &str) -> Result<PassReport, WorkError> {
+        let mut report = PassReport::default();
+        let Some(tip) = self.tip().await? else { return Ok(report) };
+        let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
+        if let (Some(lane), Some(key)) = (lanes.iter().find(|l| l.lane == lane), self.keys.get(lane)) {
+            let rate = self.fee_rate().await?;
+            self.allocate_with(lane, key, tip, rate, &mut report).await?;
+        }
+        Ok(report)
+    }
+
+    /// Takes up to `batch_max` of the lane's oldest requested withdrawals (once the batch is full
+    /// or its oldest has waited `batch_wait`), selects coins, adds change, signs, and stores the
+    /// bytes, reservations and `signed` events in one transaction under the lane lock. What the
+    /// coins cannot cover waits (oldest first) and the lane reports the shortage.
+    async fn allocate_with(
+        &self,
+        lane: &Lane,
+        key: &BtcHotKey,
+        tip: u64,
+        rate: FeeRate,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let mut client = self.pool.get().await?;
+        let wait_ms = i64::try_from(self.config.batch_wait.as_millis()).unwrap_or(i64::MAX);
+        let waiting = client
+            .query_one(
+                "select count(*), coalesce(bool_or(requested_at <= now() - $2::bigint * interval '1 millisecond'), false)
+                   from withdrawal where chain = 'btc' and lane = $1 and state = 'requested'",
+                &[&lane.lane, &wait_ms],
+            )
+            .await?;
+        let (count, old_enough): (i64, bool) = (waiting.get(0), waiting.get(1));
+        if count == 0 || (count < self.config.batch_max && !old_enough) {
+            return Ok(());
+        }
+        let (lock, spendable, write) = futures::try_join!(
+            client.prepare_cached(LOCK_LANE_AND_WITHDRAWALS),
+            client.prepare_cached(SPENDABLE),
+            client.prepare_cached(WRITE_ALLOCATION),
+        )?;
+        let tx = client.transaction().await?;
+        let rows = tx.query(&lock, &[&lane.lane, &self.config.batch_max]).await?;
+        let Some(first) = rows.first() else { return Ok(()) };
+        let (address, paused, next_change, shortage): (String, bool, i32, Option<String>) =
+            (first.get(0), first.get(1), first.get(2), first.get(3));
+        if paused {
+            return Ok(());
+        }
+        let mut ready: Vec<(Withdrawal, ScriptBuf)> = Vec::new();
+        let mut tampered = Vec::new();
+        for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()) {
+            match verified_request(row, 4) {
+                Ok(w) => match BtcAddress::parse(&w.destination, self.config.network) {
+                    Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
+                    Err(e) => tampered.push((w.id, format!("its destination cannot be paid: {e}; nothing was signed"))),
+                },
+                Err((id, reason)) => tampered.push((id, reason)),
+            }
+        }
+        if !tampered.is_empty() {
+            tx.rollback().await?;
+            crate::worker::review_tampered(&self.pool, "btc", &lane.lane, tampered).await?;
+            return Ok(());
+        }
+        let coins: Vec<Coin> = tx
+            .query(&spendable, &[&lane.lane, &address])
+            .await?
+            .iter()
+            .map(|r| Coin {
+                outpoint: OutPoint {
+                    txid: r.get::<_, &str>(0).parse().expect("BUG: a stored txid is hex"),
+                    vout: u32::try_from(r.get::<_, i32>(1)).expect("BUG: negative output index"),
+                },
+                amount: sat(&r.get::<_, U256>(2)),
+                path: path_of(r.get(3)),
+            })
+            .collect();
+        // The longest oldest-first prefix the coins cover: never a partial payment.
+        let mut chosen = None;
+        for take in (1..=ready.len()).rev() {
+            let payouts: Vec<(usize, u64)> =
+                ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount.units()))).collect();
+            if let Some(selection) = tx::select(&coins, &payouts, rate, CHANGE_DUST) {
+                chosen = Some((take, selection));
+                break;
+            }
+        }
+        let Some((take, selection)) = chosen else {
+            let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount.units())).min().unwrap_or(0);
+            let held: u64 = coins.iter().map(|c| c.amount).sum();
+            let short = format!(
+                "{} spendable satoshis in {} coins do not pay even the oldest withdrawal ({needed} satoshis plus fee)",
+                held,
+                coins.len()
+            );
+            tx.execute(
+                "update hot_wallet set shortage = $2, shortage_since = coalesce(shortage_since, now())
+                  where chain = 'btc' and lane = $1 and shortage is distinct from $2",
+                &[&lane.lane, &short],
+            )
+            .await?;
+            tx.commit().await?;
+            if shortage.is_none() {
+                tracing::error!(lane = %lane.lane, %short, "ALERT: BTC hot wallet short; its withdrawals wait");
+                metrics::counter!("custodian_hot_wallet_shortage_total", "lane" => lane.lane.clone()).increment(1);
+            }
+            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(1.0);
+            report.short_lanes.push(format!("{}: {short}", lane.lane));
+            return Ok(());
+        };
+        if shortage.is_some() {
+            tx.execute(
+                "update hot_wallet set shortage = null, shortage_since = null where chain = 'btc' and lane = $1",
+                &[&lane.lane],
+            )
+            .await?;
+            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(0.0);
+        }
+        let ready = &ready[..take];
+        let spent: Vec<&Coin> = selection.coins.iter().map(|i| &coins[*i]).collect();
+        let mut outputs: Vec<bitcoin::TxOut> =
+            ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount.units()))).collect();
+        let change_index = selection.change.map(|_| next_change);
+        let change_address = change_index.map(|i| key.change_address(u32::try_from(i).expect("BUG: negative index")));
+        if let (Some(change), Some(address)) = (selection.change, &change_address) {
+            outputs.push(tx::pay(address.script_pubkey(), change));
+        }
+        let mut signed = tx::unsigned(&spent, outputs);
+        let prevouts: Vec<(KeyPath, bitcoin::Amount)> =
+            spent.iter().map(|c| (c.path, bitcoin::Amount::from_sat(c.amount))).collect();
+        key.sign(&mut signed, &prevouts);
+        let txid = signed.compute_txid().to_string();
+        let raw = serialize(&signed);
+        let vsize = i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes");
+        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id).collect();
+        let vouts: Vec<i32> = (0..ready.len()).map(|i| i32::try_from(i).expect("BUG: batch beyond i32")).collect();
+        let weights: Vec<i32> = ready
+            .iter()
+            .map(|(_, script)| i32::try_from(tx::output_weight(script.len())).expect("BUG: output weight"))
+            .collect();
+        let seqs: Vec<i32> = ready.iter().map(|(w, _)| w.last_seq + 1).collect();
+        let payloads: Vec<serde_json::Value> = ready
+            .iter()
+            .map(|_| {
+                WithdrawalEvent::Signed {
+                    from_address: address.clone(),
+                    nonce: None,
+                    tx_hash: txid.clone(),
+                    at_block: tip,
+                }
+                .payload()
+            })
+            .collect();
+        let coin_txids: Vec<String> = spent.iter().map(|c| c.outpoint.txid.to_string()).collect();
+        let coin_vouts: Vec<i32> =
+            spent.iter().map(|c| i32::try_from(c.outpoint.vout).expect("BUG: vout beyond i32")).collect();
+        let coin_amounts: Vec<U256> = spent.iter().map(|c| U256::from(c.amount)).collect();
+        let coin_paths: Vec<Option<i32>> = spent
+            .iter()
+            .map(|c| match c.path {
+                KeyPath::Funding => None,
+                KeyPath::Change(i) => Some(i32::try_from(i).expect("BUG: change index beyond i32")),
+            })
+            .collect();
+        let change_output = selection.change.map(|_| vouts.len() as i32);
+        let next = next_change + i32::from(change_index.is_some());
+        tx.query_one(
+            &write,
+            &[
+                &lane.lane,
+                &change_index,
+                &change_address.as_ref().map(ToString::to_string),
+                &txid,
+                &raw,
+                &U256::from(selection.fee),
+                &vsize,
+                &change_output,
+                &coin_txids,
+                &coin_vouts,
+                &coin_amounts,
+                &coin_paths,
+                &ids,
+                &vouts,
+                &weights,
+                &seqs,
+                &payloads,
+                &address,
+                &next,
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(ids.len() as u64);
+        metrics::histogram!("custodian_btc_batch_size").record(ids.len() as f64);
+        report.signed += ids.len() as u64;
+        Ok(())
+    }
+
+    /// The lane's spends with withdrawals in one of `states`, oldest first.
+    async fn open_spends<C: GenericClient>(
+        client: &C,
+        lane: &str,
+        states: &[WithdrawalState],
+    ) -> Result<Vec<OpenSpend>, WorkError> {
+        let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+        let rows = client
+            .query(
+                "select p.spend_id, array_agg(w.id order by w.id)
+                   from withdrawal w join btc_spend_payout p on p.withdrawal_id = w.id
+                  where w.chain = 'btc' and w.lane = $1 and w.state = any($2)
+                  group by p.spend_id order by p.spend_id",
+                &[&lane, &states],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| OpenSpend { id: r.get(0), withdrawals: r.get(1) }).collect())
+    }
+
+    async fn attempt<C: GenericClient>(client: &C, tx_hash: &str) -> Result<StoredAttempt, WorkError> {
+        let row = client
+            .query_one(
+                "select raw_tx, fee, vsize, kind, change_output, change_index from btc_attempt where tx_hash = $1",
+                &[&tx_hash],
+            )
+            .await?;
+        Ok(StoredAttempt {
+            raw: row.get(0),
+            fee: sat(&row.get::<_, U256>(1)),
+            vsize: u64::try_from(row.get::<_, i32>(2)).expect("BUG: negative vsize"),
+            kind: row.get(3),
+            change_output: row.get::<_, Option<i32>>(4).map(|o| usize::try_from(o).expect("BUG: negative output")),
+            change_index: row.get(5),
+        })
+    }
+
+    /// Appends `event` to every withdrawal of `spend` that still passes `still`; how many took it.
+    async fn record_all(
+        &self,
+        spend: &OpenSpend,
+        still: impl Fn(&Withdrawal) -> bool + Copy,
+        event: &WithdrawalEvent,
+        movements: impl Fn(i64) -> Vec<(Movement, Amount)>,
+    ) -> Result<u64, WorkError> {
+        let mut n = 0;
+        for id in &spend.withdrawals {
+            if record(&self.pool, *id, still, event.clone(), &movements(*id)).await? {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Settles by the reserved coins: the sibling that spent them in a canonical block paid
+    /// (`mined`, then after the depth `confirmed` with its share of the real fee, or `cancelled`
+    /// if it was the cancel); a coin spent by a transaction of no sibling is `needs_review` and
+    /// the lane pauses; a mined spend whose block left the canonical chain is `unmined`.
+    async fn settle(&self, lane: &Lane, tip: u64, report: &mut PassReport) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let open = Self::open_spends(
+            &client,
+            &lane.lane,
+            &[
+                WithdrawalState::Signed,
+                WithdrawalState::Broadcast,
+                WithdrawalState::CancelRequested,
+                WithdrawalState::Mined,
+            ],
+        )
+        .await?;
+        if open.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = open.iter().map(|s| s.id).collect();
+        let rows = client
+            .query(
+                "select r.spend_id, r.tx_hash, r.output_index, s.spending_tx, b.block_hash, b.height, a.kind
+                   from utxo_reservation r
+                   join output_spend s on s.chain = 'btc' and s.tx_hash = r.tx_hash and s.output_index = r.output_index
+                   join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+                   left join btc_attempt a on a.tx_hash = s.spending_tx and a.spend_id = r.spend_id
+                  where r.spend_id = any($1) and r.released_at is null",
+                &[&ids],
+            )
+            .await?;
+        for spend in &open {
+            let mine: Vec<_> = rows.iter().filter(|r| r.get::<_, i64>(0) == spend.id).collect();
+            if let Some(outside) = mine.iter().find(|r| r.get::<_, Option<String>>(6).is_none()) {
+                let reason = format!(
+                    "coin {}:{} reserved for this withdrawal's transaction was spent by {}, none of ours, in block {}",
+                    outside.get::<_, String>(1),
+                    outside.get::<_, i32>(2),
+                    outside.get::<_, String>(3),
+                    outside.get::<_, String>(4),
+                );
+                tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a reserved coin was spent outside the service");
+                metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.clone()).increment(1);
+                let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
+                let still = |w: &Withdrawal| w.state != WithdrawalState::NeedsReview && w.holds_funds();
+                report.needs_review += self.record_all(spend, still, &event, |_| Vec::new()).await?;
+                if sql::pause_lane_on(
+                    &client,
+                    "btc",
+                    &lane.lane,
+                    &format!("a reserved coin was spent outside the service: {reason}"),
+                    false,
+                )
+                .await?
+                {
+                    report.paused_lanes.push(lane.lane.clone());
+                }
+                continue;
+            }
+            let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
+            let Some(found) = mine.first() else {
+                if w.state == WithdrawalState::Mined {
+                    let event = WithdrawalEvent::Unmined {
+                        tx_hash: w.tx_hash.clone().expect("BUG: mined without a hash"),
+                        block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
+                    };
+                    tracing::warn!(lane = %lane.lane, spend = spend.id, "a mined BTC spend left the canonical chain; its bytes go out again");
+                    report.unmined +=
+                        self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event, |_| Vec::new()).await?;
+                }
+                continue;
+            };
+            let (tx_hash, block_hash, height, kind): (String, String, i64, Option<String>) =
+                (found.get(3), found.get(4), found.get(5), found.get(6));
+            let height = u64::try_from(height).expect("BUG: negative height");
+            let same = w.state == WithdrawalState::Mined
+                && w.tx_hash.as_deref() == Some(tx_hash.as_str())
+                && w.mined_block_hash.as_deref() == Some(block_hash.as_str());
+            if !same {
+                if w.state == WithdrawalState::Mined {
+                    let event = WithdrawalEvent::Unmined {
+                        tx_hash: w.tx_hash.clone().expect("BUG: mined without a hash"),
+                        block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
+                    };
+                    report.unmined +=
+                        self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event, |_| Vec::new()).await?;
+                }
+                let event = WithdrawalEvent::Mined {
+                    tx_hash: tx_hash.clone(),
+                    block_hash: block_hash.clone(),
+                    block_number: height,
+                };
+                report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state), &event, |_| Vec::new()).await?;
+            }
+            if tip + 1 < height + self.config.confirmations {
+                continue;
+            }
+            let attempt = Self::attempt(&client, &tx_hash).await?;
+            let mined = |w: &Withdrawal| w.state == WithdrawalState::Mined;
+            if kind.as_deref() == Some("cancel") {
+                let event =
+                    WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash.clone()), fee: units(attempt.fee), by: None };
+                let fee = units(attempt.fee);
+                report.cancelled += self
+                    .record_all(spend, mined, &event, |_| vec![(Movement::Release, Amount::ZERO), (Movement::Fee, fee)])
+                    .await?;
+                continue;
+            }
+            let payouts = client
+                .query(
+                    "select withdrawal_id, weight from btc_spend_payout where spend_id = $1 order by output_index",
+                    &[&spend.id],
+                )
+                .await?;
+            let weights: Vec<u64> =
+                payouts.iter().map(|r| u64::try_from(r.get::<_, i32>(1)).expect("BUG: weight")).collect();
+            let shares: HashMap<i64, u64> =
+                payouts.iter().map(|r| r.get::<_, i64>(0)).zip(fee_shares(attempt.fee, &weights)).collect();
+            for id in &spend.withdrawals {
+                let fee = units(shares[id]);
+                let event =
+                    WithdrawalEvent::Confirmed { tx_hash: tx_hash.clone(), block_hash: block_hash.clone(), fee };
+                let movements = [(Movement::Settle, Amount::ZERO), (Movement::Fee, fee)];
+                if record(&self.pool, *id, mined, event, &movements).await? {
+                    report.confirmed += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the live attempt of every signed, unmined spend (again, each pass: a transaction
+    /// evicted from the mempool is simply accepted again). Returns the spends the node refused for
+    /// their fee: they are bumped now.
+    async fn broadcast(&self, lane: &Lane, tip: u64, report: &mut PassReport) -> Result<HashSet<i64>, WorkError> {
+        let client = self.pool.get().await?;
+        let mut refused = HashSet::new();
+        for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
+            let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
+            let Some(live) = w.live_attempt.clone() else { continue };
+            let attempt = Self::attempt(&client, &live).await?;
+            match self.node.send(&attempt.raw).await? {
+                Sent::Accepted | Sent::AlreadyKnown => {
+                    if w.state == WithdrawalState::Signed {
+                        let event = WithdrawalEvent::Broadcast { tx_hash: live.clone(), at_block: Some(tip) };
+                        let still = |w: &Withdrawal| w.state == WithdrawalState::Signed;
+                        report.broadcast += self.record_all(&spend, still, &event, |_| Vec::new()).await?;
+                    } else {
+                        report.rebroadcast += 1;
+                    }
+                }
+                Sent::Underpriced(message) => {
+                    tracing::info!(lane = %lane.lane, tx = %live, %message, "the node wants a higher fee: replacing");
+                    refused.insert(spend.id);
+                }
+                Sent::InputsMissing(message) => {
+                    // Spent in a block: by one of our siblings (settled once the scanner sees the
+                    // block) or by someone else (needs_review, from the same observation).
+                    tracing::warn!(lane = %lane.lane, tx = %live, %message, "inputs already spent; settlement decides from the chain");
+                    metrics::counter!("custodian_btc_inputs_spent_total", "lane" => lane.lane.clone()).increment(1);
+                }
+                Sent::Refused(message) => {
+                    tracing::error!(lane = %lane.lane, tx = %live, %message, "ALERT: the node refused a signed BTC transaction");
+                    metrics::counter!("custodian_btc_broadcast_refused_total", "lane" => lane.lane.clone())
+                        .increment(1);
+                }
+            }
+        }
+        Ok(refused)
+    }
+
+    /// The coins a spend reserved, in the order of its inputs, with the key of each.
+    async fn reserved<C: GenericClient>(
+        client: &C,
+        spend: i64,
+        tx: &Transaction,
+    ) -> Result<Vec<(KeyPath, bitcoin::Amount)>, WorkError> {
+        let rows = client
+            .query(
+                "select tx_hash, output_index, amount, change_index from utxo_reservation where spend_id = $1",
+                &[&spend],
+            )
+            .await?;
+        let by_outpoint: HashMap<OutPoint, (KeyPath, bitcoin::Amount)> = rows
+            .iter()
+            .map(|r| {
+                let outpoint = OutPoint {
+                    txid: r.get::<_, &str>(0).parse::<Txid>().expect("BUG: a stored txid is hex"),
+                    vout: u32::try_from(r.get::<_, i32>(1)).expect("BUG: negative vout"),
+                };
+                (outpoint, (path_of(r.get(3)), bitcoin::Amount::from_sat(sat(&r.get::<_, U256>(2)))))
+            })
+            .collect();
+        Ok(tx.input.iter().map(|i| by_outpoint[&i.previous_output]).collect())
+    }
+
+    /// Replaces the live attempt of spends the node refused for their fee, or accepted
+    /// `bump_after_blocks` ago and still unmined: the same inputs, the customers' outputs
+    /// unchanged, the fee raised (BIP-125) and taken from change. At the cap (or with no change
+    /// left to pay from) `fee_cap_reached` is recorded once and alerted.
+    async fn bump(
+        &self,
+        lane: &Lane,
+        key: &BtcHotKey,
+        tip: u64,
+        rate: FeeRate,
+        refused: &HashSet<i64>,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
+            let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
+            let accepted = w.state != WithdrawalState::Signed && w.attempt_at_block.is_some();
+            let aged = accepted && w.attempt_at_block.is_some_and(|at| tip >= at + self.config.bump_after_blocks);
+            if w.stuck_at_cap || !(refused.contains(&spend.id) || aged) {
+                continue;
+            }
+            let live = w.live_attempt.clone().expect("BUG: a signed withdrawal without a live attempt");
+            let attempt = Self::attempt(&client, &live).await?;
+            let mut replacement: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
+            let prevouts = Self::reserved(&client, spend.id, &replacement).await?;
+            let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
+            let weight =
+                tx::tx_weight(replacement.input.len(), replacement.output.iter().map(|o| o.script_pubkey.len()));
+            let priced = tx::replacement_fee(
+                attempt.fee,
+                attempt.vsize,
+                weight,
+                rate,
+                self.config.incremental_fee_rate,
+                self.config.max_fee_rate,
+            );
+            let raised = priced.and_then(|(fee, _)| {
+                let change = attempt.change_output?;
+                let left = replacement.output[change].value.to_sat().checked_sub(fee - attempt.fee)?;
+                if left >= CHANGE_DUST {
+                    replacement.output[change].value = bitcoin::Amount::from_sat(left);
+                    Some((fee, Some(change)))
+                } else if replacement.output.len() > 1 {
+                    // What is left is dust: the change goes to the miners.
+                    replacement.output.remove(change);
+                    let paid: u64 = replacement.output.iter().map(|o| o.value.to_sat()).sum();
+                    Some((inputs - paid, None))
+                } else {
+                    None
+                }
+            });
+            let Some((fee, change_output)) = raised else {
+                let event = WithdrawalEvent::FeeCapReached {
+                    tx_hash: live.clone(),
+                    cap: units(self.config.max_fee_rate.0),
+                    at_block: tip,
+                };
+                let n = self
+                    .record_all(&spend, |w| !w.stuck_at_cap && UNMINED.contains(&w.state), &event, |_| Vec::new())
+                    .await?;
+                if n > 0 {
+                    tracing::error!(lane = %lane.lane, tx = %live, cap_sat_per_kvb = self.config.max_fee_rate.0,
+                        "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from)");
+                    metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.clone()).increment(1);
+                    report.fee_cap_reached += 1;
+                }
+                continue;
+            };
+            key.sign(&mut replacement, &prevouts);
+            let change_index = change_output.and(attempt.change_index);
+            let kind = if attempt.kind == "cancel" { "cancel" } else { "bump" };
+            if self
+                .store_replacement(lane, &spend, &live, kind, &replacement, fee, change_output, change_index, None, tip)
+                .await?
+            {
+                report.bumped += 1;
+                // Sent now; if this answer is lost, the next pass sends the same bytes.
+                let _ = self.node.send(&serialize(&replacement)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a replacement of `live` under the lane lock, if every withdrawal of the spend still
+    /// has `live` as its live attempt (another worker may have replaced it first: then nothing is
+    /// written and `false` is returned). `new_change` is a change address allocated for it.
+    #[allow(clippy::too_many_arguments)]
+    async fn store_replacement(
+        &self,
+        lane: &Lane,
+        spend: &OpenSpend,
+        live: &str,
+        kind: &str,
+        replacement: &Transaction,
+        fee: u64,
+        change_output: Option<usize>,
+        change_index: Option<i32>,
+        new_change: Option<(i32, String)>,
+        tip: u64,
+    ) -> Result<bool, WorkError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let next: i32 = tx
+            .query_one(
+                "select b.next_change_index from hot_wallet h join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
+                  where h.chain = 'btc' and h.lane = $1 for update of h, b",
+                &[&lane.lane],
+            )
+            .await?
+            .get(0);
+        let mut locked = Vec::new();
+        for id in &spend.withdrawals {
+            let w = sql::lock(&tx, *id).await?.expect("BUG: a listed withdrawal has no events");
+            if w.live_attempt.as_deref() != Some(live) || !UNMINED.contains(&w.state) {
+                return Ok(false);
+            }
+            locked.push(w);
+        }
+        if let Some((index, address)) = &new_change {
+            if *index != next {
+                return Ok(false);
+            }
+            tx.execute(
+                "insert into btc_change_address (lane, derivation_index, address) values ($1, $2, $3)",
+                &[&lane.lane, index, address],
+            )
+            .await?;
+            tx.execute(
+                "update btc_hot_wallet set next_change_index = $2 where chain = 'btc' and lane = $1",
+                &[&lane.lane, &(index + 1)],
+            )
+            .await?;
+        }
+        let txid = replacement.compute_txid().to_string();
+        tx.execute(
+            "insert into btc_attempt (tx_hash, spend_id, kind, raw_tx, fee, vsize, change_output, change_index)
+             values ($1, $2, $3, $4, $5, $6, $7, $8)",
+            &[
+                &txid,
+                &spend.id,
+                &kind,
+                &serialize(replacement),
+                &U256::from(fee),
+                &i32::try_from(replacement.vsize()).expect("BUG: vsize beyond i32"),
+                &change_output.map(|o| i32::try_from(o).expect("BUG: output beyond i32")),
+                &change_index,
+            ],
+        )
+        .await?;
+        for mut w in locked {
+            sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: txid.clone(), at_block: tip }).await?;
+        }
+        tx.commit().await?;
+        metrics::counter!("custodian_bumps_total", "lane" => lane.lane.clone()).increment(1);
+        Ok(true)
+    }
+
+    /// Signs a cancel for every spend whose withdrawal asked for one: a replacement of the same
+    /// inputs paying everything, less a higher fee, to a fresh change address of ours.
+    async fn cancel_attempts(
+        &self,
+        lane: &Lane,
+        key: &BtcHotKey,
+        tip: u64,
+        rate: FeeRate,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        for spend in Self::open_spends(&client, &lane.lane, &[WithdrawalState::CancelRequested]).await? {
+            let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
+            let Some(live) = w.live_attempt.clone() else { continue };
+            let attempt = Self::attempt(&client, &live).await?;
+            if attempt.kind == "cancel" {
+                continue;
+            }
+            let original: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
+            let prevouts = Self::reserved(&client, spend.id, &original).await?;
+            let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
+            let weight = tx::tx_weight(original.input.len(), [P2WPKH_SCRIPT_LEN]);
+            let priced = tx::replacement_fee(
+                attempt.fee,
+                attempt.vsize,
+                weight,
+                rate,
+                self.config.incremental_fee_rate,
+                self.config.max_fee_rate,
+            );
+            let Some((fee, _)) = priced.filter(|(fee, _)| inputs.saturating_sub(*fee) >= CHANGE_DUST) else {
+                tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap; the original stands");
+                metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.clone()).increment(1);
+                continue;
+            };
+            let index: i32 = client
+                .query_one(
+                    "select next_change_index from btc_hot_wallet where chain = 'btc' and lane = $1",
+                    &[&lane.lane],
+                )
+                .await?
+                .get(0);
+            let address = key.change_address(u32::try_from(index).expect("BUG: negative index"));
+            let mut cancel = original.clone();
+            cancel.output = vec![tx::pay(address.script_pubkey(), inputs - fee)];
+            key.sign(&mut cancel, &prevouts);
+            if self
+                .store_replacement(
+                    lane,
+                    &spend,
+                    &live,
+                    "cancel",
+                    &cancel,
+                    fee,
+                    Some(0),
+                    Some(index),
+                    Some((index, address.to_string())),
+                    tip,
+                )
+                .await?
+            {
+                report.cancel_attempts += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fee_shares_sum_to_the_fee() {
+        assert_eq!(fee_shares(1000, &[124, 124]), vec![500, 500]);
+        assert_eq!(fee_shares(1001, &[124, 124, 124]), vec![335, 333, 333]);
+        assert_eq!(fee_shares(999, &[100, 300]), vec![250, 749]);
+        for (fee, weights) in [(7u64, vec![1u64, 1, 1]), (12_345, vec![124, 172, 136, 124])] {
+            assert_eq!(fee_shares(fee, &weights).iter().sum::<u64>(), fee);
+        }
+    }
+}
