@@ -4,6 +4,7 @@
 //! This crate does not know how blocks are fetched or how withdrawals are signed.
 
 pub mod balances;
+mod btc_spends;
 pub mod deposits;
 pub mod history;
 pub mod policy;

@@ -566,6 +566,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
             ),
         });
     }
+    report.differences.extend(crate::btc_spends::verify(&tx).await?);
     for (position, problem) in crate::seals::broken(&tx).await? {
         report
             .differences

@@ -242,10 +242,9 @@ pub async fn rebroadcast(settings: &Settings, id: i64) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>, confirmations: Option<u64>) -> Result<Exit> {
+pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>, depth: Option<u64>) -> Result<Exit> {
     let confirmations =
-        confirmations.or(settings.file.withdrawals.confirmations).unwrap_or(WorkerConfig::default().confirmations);
-    let node = node(settings)?;
+        depth.or(settings.file.withdrawals.confirmations).unwrap_or(WorkerConfig::default().confirmations);
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await?;
     let by = super::principal(settings, &client, Scope::Admin, "withdrawals resolve").await?;
@@ -253,7 +252,14 @@ pub async fn resolve(settings: &Settings, id: i64, paid_by: Option<&str>, confir
         Some(hash) => actions::Resolution::PaidBy(hash.to_owned()),
         None => actions::Resolution::NotPaid,
     };
-    let done = actions::resolve(&mut client, &node, id, &resolution, confirmations, &by).await.map_err(action_error)?;
+    let btc = client.query_opt("select 1 from withdrawal where id = $1 and chain = 'btc'", &[&id]).await?.is_some();
+    let done = if btc {
+        let confirmations = depth.or(settings.file.btc.confirmations).unwrap_or(BtcConfig::default().confirmations);
+        actions::resolve_btc(&mut client, id, &resolution, confirmations, &by).await.map_err(action_error)?
+    } else {
+        let node = node(settings)?;
+        actions::resolve(&mut client, &node, id, &resolution, confirmations, &by).await.map_err(action_error)?
+    };
     if settings.json {
         super::print_json(&done)?;
     } else if done.paid {
@@ -294,14 +300,13 @@ pub async fn lanes(settings: &Settings) -> Result<Exit> {
         return super::print_json(&all).map(|()| Exit::Success);
     }
     for l in &btc {
+        let mut status = l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"));
+        if let Some(short) = &l.shortage {
+            status.push_str(&format!("; SHORT: {short}"));
+        }
         println!(
-            "{:<10} btc {} spendable {} sat, unconfirmed {} sat in {} coins {}",
-            l.lane,
-            l.funding_address,
-            l.spendable,
-            l.unconfirmed,
-            l.coins,
-            l.pause_reason.as_deref().map_or("running".to_owned(), |r| format!("PAUSED: {r}"))
+            "{:<10} btc {} spendable {} sat, reserved {} sat, unconfirmed {} sat in {} coins {status}",
+            l.lane, l.funding_address, l.spendable, l.reserved, l.unconfirmed, l.coins,
         );
     }
     for l in &lanes {

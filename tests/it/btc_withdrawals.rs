@@ -431,6 +431,12 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     assert_eq!(signed.state, WithdrawalState::Signed);
     let original = signed.tx_hash.clone().unwrap();
     assert!(p.sim.mempool().is_empty(), "nothing was sent before the crash");
+    let lane = hot_wallet::btc_lanes(&p.db.pool.get().await.unwrap()).await.unwrap().remove(0);
+    assert_eq!(
+        (lane.spendable.as_str(), lane.reserved.as_str(), lane.coins),
+        ("1000000", "1000000", 2),
+        "one coin reserved for the signed spend, the other still spendable"
+    );
     // A new process sends exactly the stored bytes.
     let worker = p.worker(bumping(50));
     worker.pass().await.unwrap();
@@ -598,6 +604,42 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     assert_eq!(p.load(w.id).await.state, WithdrawalState::NeedsReview);
     let lane = hot_wallet::lanes_on(&p.db.pool.get().await.unwrap(), Chain::Btc.as_str()).await.unwrap();
     assert!(lane[0].pause_reason.as_deref().unwrap().contains("spent outside the service"));
+
+    // The way out: resolved as not paid once the outside spend is buried; the hold comes back and
+    // the spend's reservations are released. The stolen coin is a loss reconcile keeps naming.
+    let pool = p.db.pool.clone();
+    let resolve = |depth| {
+        let pool = pool.clone();
+        async move {
+            actions::resolve_btc(&mut pool.get().await.unwrap(), w.id, &actions::Resolution::NotPaid, depth, "dana")
+                .await
+        }
+    };
+    let shallow = resolve(2).await.unwrap_err();
+    assert!(shallow.to_string().contains("fewer than 2"), "{shallow}");
+    let paid_by = actions::resolve_btc(
+        &mut p.db.pool.get().await.unwrap(),
+        w.id,
+        &actions::Resolution::PaidBy("ab".repeat(32)),
+        1,
+        "dana",
+    )
+    .await
+    .unwrap_err();
+    assert!(paid_by.to_string().contains("cannot be resolved --paid-by"), "{paid_by}");
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let before = crate::ledger::available(&p.db, p.alice).await;
+    let resolved = resolve(2).await.unwrap();
+    assert_eq!((resolved.withdrawal.state, resolved.paid), (WithdrawalState::Cancelled, false));
+    let after: u64 = crate::ledger::available(&p.db, p.alice).await.parse().unwrap();
+    assert_eq!(after, before.parse::<u64>().unwrap() + 200_000, "the hold came back");
+    assert_eq!(p.value("select count(*)::text from utxo_reservation where released_at is null").await, "0");
+    let env = btc_env(&p.db, &p.sim, None);
+    let verified = run(env.clone(), &["replay", "--verify"]).await;
+    assert_eq!(verified.code, 0, "{}{}", verified.stdout, verified.stderr);
+    let reconciled = run(env, &["reconcile", "--json"]).await;
+    assert_eq!(reconciled.code, 3, "the stolen coin is still custody in the ledger: {}", reconciled.stdout);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -620,4 +662,51 @@ async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
     assert_eq!(p.load(w.id).await.state, WithdrawalState::Confirmed);
     assert_eq!(p.value("select coalesce(shortage, 'none') from hot_wallet where chain = 'btc'").await, "none");
     p.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_rebuilds_btc_attempts_from_their_bytes_and_names_what_was_edited() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    let a = p.request("a", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal;
+    let b = p.request("b", &p.sim.address(AddrKind::P2pkh, 3), 150_000).await.unwrap().withdrawal;
+    p.settle(&[&worker], &[a.id, b.id], 4).await;
+    p.verify().await;
+    let replay = || async {
+        let verified = run(btc_env(&p.db, &p.sim, None), &["replay", "--verify", "--json"]).await;
+        assert_eq!(verified.code, 3, "{}{}", verified.stdout, verified.stderr);
+        verified.stdout
+    };
+    let owner = p.db.owner_client().await;
+    // A recorded fee that is not inputs minus outputs (its events and postings left alone).
+    owner
+        .batch_execute(
+            "alter table btc_attempt disable trigger user; update btc_attempt set fee = fee + 1;
+             alter table btc_attempt enable trigger user;",
+        )
+        .await
+        .unwrap();
+    let found = replay().await;
+    assert!(found.contains("btc spends") && found.contains("minus outputs"), "{found}");
+    owner
+        .batch_execute(
+            "alter table btc_attempt disable trigger user; update btc_attempt set fee = fee - 1;
+             alter table btc_attempt enable trigger user;",
+        )
+        .await
+        .unwrap();
+    p.verify().await;
+    // A withdrawal's destination changed behind its payout: the bytes pay someone else.
+    owner
+        .batch_execute(&format!(
+            "alter table withdrawal disable trigger user;
+             update withdrawal set destination = '{}' where id = {};
+             alter table withdrawal enable trigger user;",
+            p.sim.address(AddrKind::P2wpkh, 77),
+            a.id
+        ))
+        .await
+        .unwrap();
+    let found = replay().await;
+    assert!(found.contains(&format!("does not pay withdrawal {}", a.id)), "{found}");
 }

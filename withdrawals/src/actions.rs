@@ -303,6 +303,113 @@ pub async fn resolve(
     record_resolution(client, id, event, by).await
 }
 
+/// Resolves a BTC withdrawal in `needs_review` on `by`'s authority, from the chain as scanned: it
+/// is there because a coin its spend reserved was spent by a transaction that is none of its
+/// attempts. `NotPaid` needs that spend buried under `confirmations` blocks; it releases the hold,
+/// and once no withdrawal of the spend holds funds, the spend's reservations (its other coins are
+/// spendable again). What the outside transaction took is a loss `reconcile` keeps naming until
+/// finance books it. `PaidBy` is refused for BTC: the outside transaction's outputs to addresses
+/// we do not watch are not observed, so the payment cannot be checked here.
+///
+/// # Cancel safety
+/// One transaction after the reads; cancelled, it writes nothing.
+pub async fn resolve_btc(
+    client: &mut deadpool_postgres::Object,
+    id: i64,
+    resolution: &Resolution,
+    confirmations: u64,
+    by: &str,
+) -> Result<Resolved, ActionError> {
+    let by = by.trim();
+    if by.is_empty() {
+        return Err(ActionError::Anonymous);
+    }
+    let w = sql::load(&*client, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState {
+            id,
+            state: w.state.as_str(),
+            message: "only a withdrawal that needs review can be resolved",
+        });
+    }
+    let refuse = |reason: String| ActionError::Evidence { id, reason };
+    if let Resolution::PaidBy(hash) = resolution {
+        return Err(refuse(format!(
+            "a BTC withdrawal cannot be resolved --paid-by {hash}: the outputs of a transaction that is none of ours are \
+             not observed when they pay addresses we do not watch; check it on a node, and if it paid, book it with \
+             finance; --not-paid releases the hold"
+        )));
+    }
+    let spend: Option<i64> = client
+        .query_opt("select spend_id from btc_spend_payout where withdrawal_id = $1", &[&id])
+        .await?
+        .map(|r| r.get(0));
+    if let Some(spend) = spend {
+        let spent = client
+            .query(
+                "select s.spending_tx, b.block_hash, t.height - b.height + 1, a.tx_hash is not null
+                   from utxo_reservation r
+                   join output_spend s on s.chain = 'btc' and s.tx_hash = r.tx_hash and s.output_index = r.output_index
+                   join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+                   join chain_tip t on t.chain = 'btc'
+                   left join btc_attempt a on a.tx_hash = s.spending_tx and a.spend_id = r.spend_id
+                  where r.spend_id = $1",
+                &[&spend],
+            )
+            .await?;
+        if let Some(ours) = spent.iter().find(|r| r.get::<_, bool>(3)) {
+            return Err(refuse(format!(
+                "its attempt {} spent the reserved coins in block {}: the worker settles it",
+                ours.get::<_, String>(0),
+                ours.get::<_, String>(1)
+            )));
+        }
+        let Some(outside) = spent.first() else {
+            return Err(refuse(
+                "no reserved coin of its transaction is spent on the canonical chain: nothing stops it \
+                               from being mined; rebroadcast it instead"
+                    .into(),
+            ));
+        };
+        let depth = u64::try_from(outside.get::<_, i64>(2)).unwrap_or(0);
+        if depth < confirmations {
+            return Err(refuse(format!(
+                "the outside spend {} has {depth} confirmations, fewer than {confirmations}: a reorg could still undo it",
+                outside.get::<_, String>(0)
+            )));
+        }
+    }
+    let event = WithdrawalEvent::Resolved {
+        paid: false,
+        tx_hash: None,
+        block_hash: None,
+        fee: Amount::ZERO,
+        by: by.to_owned(),
+    };
+    let tx = client.transaction().await?;
+    let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState { id, state: w.state.as_str(), message: "it was resolved meanwhile" });
+    }
+    let details = serde_json::json!({"withdrawal_id": id, "event": event.payload()});
+    sql::append(&tx, &mut w, event).await?;
+    sql::post(&tx, &w, Movement::Release, Amount::ZERO).await?;
+    if let Some(spend) = spend {
+        // The last withdrawal of the spend resolved: its coins are no longer anyone's.
+        tx.execute(
+            "update utxo_reservation set released_at = now()
+              where spend_id = $1 and released_at is null
+                and not exists (select 1 from btc_spend_payout p join withdrawal o on o.id = p.withdrawal_id
+                                 where p.spend_id = $1 and o.state = 'needs_review')",
+            &[&spend],
+        )
+        .await?;
+    }
+    custodian_store::operator::record(&tx, custodian_store::operator::Action::WithdrawalResolved, by, &details).await?;
+    tx.commit().await?;
+    Ok(Resolved { withdrawal: w, paid: false, fee: Amount::ZERO })
+}
+
 /// Appends the resolution under the withdrawal's lock (still in review), with its movements and
 /// the operator action, in one transaction.
 async fn record_resolution(

@@ -281,7 +281,8 @@ pub async fn retire(client: &mut deadpool_postgres::Object, lane: &str, by: &str
     Ok(true)
 }
 
-/// A BTC lane as stored, with what its addresses hold on the canonical chain.
+/// A BTC lane as stored, with what its addresses hold on the canonical chain (V31's
+/// `btc_lane_coin`: its funding address and its change addresses).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BtcLane {
     /// Lane name.
@@ -290,13 +291,17 @@ pub struct BtcLane {
     pub funding_address: String,
     /// Why it is paused, if it is.
     pub pause_reason: Option<String>,
-    /// Satoshis in custody coins (paid to it after registration) that are confirmed (by the
-    /// confirmation tiers) and unspent. What reached the address before it was registered is not
-    /// custody and not counted.
+    /// What it is short of, if anything: its withdrawals wait until it is topped up.
+    pub shortage: Option<String>,
+    /// Satoshis the worker may spend: custody coins confirmed by the deposit tiers (paid to it
+    /// after registration) and our own change, unspent and not reserved. What reached the
+    /// address before it was registered is not custody and not counted.
     pub spendable: String,
-    /// Satoshis in coins observed on the canonical chain, not yet confirmed.
+    /// Satoshis in coins reserved by signed spends not yet mined.
+    pub reserved: String,
+    /// Satoshis paid to it on the canonical chain, not yet confirmed.
     pub unconfirmed: String,
-    /// Unspent coins counted above.
+    /// Coins counted above.
     pub coins: i64,
 }
 
@@ -304,25 +309,16 @@ pub struct BtcLane {
 pub async fn btc_lanes<C: GenericClient>(client: &C) -> Result<Vec<BtcLane>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "with coins as (
-                 -- the lane's unspent coins that are custody: attributed to the treasury (paid
-                 -- to the address after its registration), with whether they are confirmed
-                 select u.address, u.amount, bool_or(d.confirmed) as confirmed
-                   from unspent_output u
-                   join deposit_status d on d.deposit_key = 'deposit:btc:' || u.tx_hash || ':output:' || u.output_index
-                                        and d.block_hash = u.block_hash
-                  where u.chain = 'btc' and d.account_id = (select id from account where treasury)
-                  group by u.tx_hash, u.output_index, u.address, u.amount
-             )
-             select h.lane, h.address, h.pause_reason,
-                    coalesce(sum(c.amount) filter (where c.confirmed), 0)::text,
-                    coalesce(sum(c.amount) filter (where not c.confirmed), 0)::text,
-                    count(c.amount)
+            "select h.lane, h.address, h.pause_reason, h.shortage,
+                    coalesce(sum(c.amount) filter (where c.state = 'spendable'), 0)::text,
+                    coalesce(sum(c.amount) filter (where c.state = 'reserved'), 0)::text,
+                    coalesce(sum(c.amount) filter (where c.state = 'unconfirmed'), 0)::text,
+                    count(c.amount) filter (where c.state <> 'not_custody')
                from hot_wallet h
                join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
-               left join coins c on c.address = h.address
+               left join btc_lane_coin c on c.lane = h.lane
               where h.chain = 'btc'
-              group by h.lane, h.address, h.pause_reason
+              group by h.lane, h.address, h.pause_reason, h.shortage
               order by h.lane",
             &[],
         )
@@ -333,9 +329,11 @@ pub async fn btc_lanes<C: GenericClient>(client: &C) -> Result<Vec<BtcLane>, tok
             lane: r.get(0),
             funding_address: r.get(1),
             pause_reason: r.get(2),
-            spendable: r.get(3),
-            unconfirmed: r.get(4),
-            coins: r.get(5),
+            shortage: r.get(3),
+            spendable: r.get(4),
+            reserved: r.get(5),
+            unconfirmed: r.get(6),
+            coins: r.get(7),
         })
         .collect())
 }

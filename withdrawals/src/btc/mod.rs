@@ -149,21 +149,17 @@ select lane.address, lane.paused, lane.next_change_index, lane.shortage,
   from lane left join ready on true
  order by ready.id";
 
-/// The lane's spendable coins ($1 lane, $2 funding address): unspent on the canonical chain, not
-/// reserved by a live reservation, and either our own change (one confirmation: it is in a
-/// canonical block) or a coin the ledger credited to custody (confirmed by the deposit tiers).
+/// The lane's spendable coins ($1 lane), largest first: V31's `btc_lane_coin` decides what is
+/// spendable. Selection looks at the largest [`CANDIDATES`] only: a batch needs few of them, and
+/// branch-and-bound over thousands would cost more than the change it saves.
 const SPENDABLE: &str = "
-select u.tx_hash, u.output_index, u.amount, c.derivation_index
-  from unspent_output u
-  left join btc_change_address c on c.chain = 'btc' and c.address = u.address and c.lane = $1
- where u.chain = 'btc' and (u.address = $2 or c.address is not null)
-   and case when c.address is not null then exists (select 1 from btc_attempt a where a.tx_hash = u.tx_hash)
-            else exists (select 1 from ledger_transfer t
-                          where t.deposit_key = 'deposit:btc:' || u.tx_hash || ':output:' || u.output_index
-                            and t.kind = 'deposit') end
-   and not exists (select 1 from utxo_reservation r
-                    where r.chain = 'btc' and r.tx_hash = u.tx_hash and r.output_index = u.output_index
-                      and r.released_at is null)";
+select tx_hash, output_index, amount, change_index from btc_lane_coin
+ where lane = $1 and state = 'spendable'
+ order by amount desc, tx_hash, output_index
+ limit $2";
+
+/// Coins selection looks at, at most.
+const CANDIDATES: i64 = 500;
 
 /// Every write of an allocation in one statement: the spend, its change address, the attempt, the
 /// reservations, the payouts, the `signed` events, the projection and the change cursor. $1 lane,
@@ -353,7 +349,7 @@ impl BtcWorker {
             return Ok(());
         }
         let coins: Vec<Coin> = tx
-            .query(&spendable, &[&lane.lane, &address])
+            .query(&spendable, &[&lane.lane, &CANDIDATES])
             .await?
             .iter()
             .map(|r| Coin {
@@ -392,7 +388,7 @@ impl BtcWorker {
             tx.commit().await?;
             if shortage.is_none() {
                 tracing::error!(lane = %lane.lane, %short, "ALERT: BTC hot wallet short; its withdrawals wait");
-                metrics::counter!("custodian_hot_wallet_shortage_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
             }
             metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(1.0);
             report.short_lanes.push(format!("{}: {short}", lane.lane));

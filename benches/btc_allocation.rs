@@ -1,0 +1,198 @@
+//! BTC allocation throughput: withdrawals allocated, signed and committed per second on one lane
+//! with a pool of 10,000 coins, at batch 1 and batch 50, beside the one-row ceiling the ETH
+//! allocation bench measures (`select … for update`, `update`, `commit` on one row, statements
+//! prepared once), measured in the same run on the same database.
+//!
+//! The coins are real: four transactions of 2,500 outputs to the lane's funding address, mined
+//! by the Bitcoin Core simulator, scanned and credited to treasury by the same scanner and posting
+//! pass `serve` runs. Each allocation is the worker's whole step: the fee estimate
+//! (`estimatesmartfee`, one local RPC), then one transaction that locks the lane and the
+//! withdrawals, reads the spendable coins, selects, signs (BIP-143) and writes everything.
+//! Batch 1 and the ceiling alternate in rounds, so a slow spell weighs on both alike.
+//! `BTC_ALLOCATION_SCALE` (default 1) multiplies the withdrawal counts.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bitcoin::bip32::{DerivationPath, Xpriv};
+use bitcoin::secp256k1::Secp256k1;
+use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain};
+use custodian_ingest::btc::{BtcAuth, BtcReader};
+use custodian_ingest::{NoProgress, ScanConfig, Scanner};
+use custodian_store::btc_rpc::BtcRpc;
+use custodian_store::ownership;
+use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
+use custodian_testkit::TestDb;
+use custodian_withdrawals::btc::node::BtcNode;
+use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
+use custodian_withdrawals::btc_key::BtcHotKey;
+use custodian_withdrawals::hot_wallet;
+use custodian_withdrawals::request::{self, Destination, Request};
+use std::str::FromStr;
+
+const COINS: usize = 10_000;
+const COIN_SATS: u64 = 50_000;
+const PAYOUT_SATS: u64 = 20_000;
+
+fn per_second(count: u64, elapsed: Duration) -> u64 {
+    (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
+}
+
+fn ratio(ours: u64, ceiling: u64) -> String {
+    let hundredths = ours * 100 / ceiling.max(1);
+    format!("{}.{:02}", hundredths / 100, hundredths % 100)
+}
+
+/// The ceiling: lock one row, bump it, commit, `n` times on one connection.
+async fn ceiling(db: &TestDb, n: u64) -> (u64, Duration) {
+    let (mut client, connection) = db.url.config().connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let lock = client
+        .prepare("select next_nonce from hot_wallet where chain = 'eth' and lane = 'ceiling' for update")
+        .await
+        .unwrap();
+    let bump = client
+        .prepare("update hot_wallet set next_nonce = next_nonce + 1 where chain = 'eth' and lane = 'ceiling'")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    for _ in 0..n {
+        let tx = client.transaction().await.unwrap();
+        tx.query_one(&lock, &[]).await.unwrap();
+        tx.execute(&bump, &[]).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    (n, started.elapsed())
+}
+
+async fn requested(db: &TestDb) -> i64 {
+    db.pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("select count(*) from withdrawal where chain = 'btc' and state = 'requested'", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Allocates until `n` more withdrawals are signed; returns how many, and the time it took.
+async fn drain(db: &TestDb, worker: &BtcWorker, n: i64) -> (u64, Duration) {
+    let target = requested(db).await - n;
+    let started = Instant::now();
+    let mut signed = 0;
+    while requested(db).await > target {
+        signed += worker.allocate_lane("b0").await.unwrap().signed;
+    }
+    (signed, started.elapsed())
+}
+
+#[tokio::main]
+async fn main() {
+    let scale: i64 = std::env::var("BTC_ALLOCATION_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let sim = BitcoinSim::start().await;
+    let db = TestDb::new().await;
+    let auth = BtcAuth::UserPassword { user: sim.user().to_owned(), password: sim.password().to_owned() };
+    let account = Xpriv::new_master(bitcoin::Network::Regtest, &[9u8; 32])
+        .unwrap()
+        .derive_priv(&Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
+        .unwrap();
+    let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
+    let funding = key.funding_address();
+    let mut client = db.pool.get().await.unwrap();
+    hot_wallet::add_btc(&mut client, &key, "b0", sim.height(), "bench").await.unwrap();
+    let (alice, _) = ownership::create_account(&client, "alice").await.unwrap();
+    let deposit = sim.address(AddrKind::P2wpkh, 1);
+    ownership::assign_address(&mut client, Chain::Btc, &deposit.to_string(), alice.id, Some(0)).await.unwrap();
+    let mut txs: Vec<bitcoin::Transaction> =
+        (0..4).map(|_| sim.pay(&vec![(funding.clone(), bitcoin::Amount::from_sat(COIN_SATS)); COINS / 4])).collect();
+    txs.push(sim.pay(&[(deposit, bitcoin::Amount::from_sat(100_000_000 * u64::try_from(scale).unwrap()))]));
+    sim.mine(&txs);
+    sim.mine_empty(6);
+    let reader = BtcReader::new(&sim.url(), auth.clone(), BtcNetwork::Regtest).unwrap();
+    Scanner::new(reader, db.pool.clone(), ScanConfig::default()).run_to_tip(&NoProgress).await.unwrap();
+    custodian_projections::posting::post_all(&db.pool.get().await.unwrap()).await.unwrap();
+    let coins: i64 = client
+        .query_one("select count(*) from unspent_output where address = $1", &[&funding.to_string()])
+        .await
+        .unwrap()
+        .get(0);
+    println!("BTC allocation, one lane, {coins} coins of {COIN_SATS} sat credited to treasury:");
+
+    let (batch_1_n, batch_50_n) = (200 * scale, 2_000 * scale);
+    for n in 0..(batch_1_n + batch_50_n) {
+        let to = sim.address([AddrKind::P2wpkh, AddrKind::P2tr, AddrKind::P2pkh][(n % 3) as usize], 10 + n as u32);
+        let r = Request {
+            account_id: alice.id,
+            external_id: format!("bench-{n}"),
+            asset: "BTC".into(),
+            destination: Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
+            amount: Amount::from_u64(PAYOUT_SATS),
+            requested_by: "bench".into(),
+        };
+        request::request(&mut client, &r).await.unwrap();
+    }
+    client
+        .execute(
+            "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, 'ceiling', 0)",
+            &[&format!("0x{:040x}", 0xce11_0000u64)],
+        )
+        .await
+        .unwrap();
+    client.batch_execute("analyze").await.unwrap();
+    if std::env::var_os("BTC_ALLOCATION_EXPLAIN").is_some() {
+        let plan = client
+            .query(
+                "explain (analyze, buffers) select tx_hash, output_index, amount, change_index from btc_lane_coin
+                  where lane = 'b0' and state = 'spendable' order by amount desc, tx_hash, output_index limit 500",
+                &[],
+            )
+            .await
+            .unwrap();
+        for row in plan {
+            println!("  {}", row.get::<_, String>(0));
+        }
+    }
+    drop(client);
+
+    let worker = |batch_max| {
+        let rpc = BtcRpc::new(&sim.url(), auth.clone()).unwrap();
+        let config =
+            BtcConfig { network: BtcNetwork::Regtest, batch_max, batch_wait: Duration::ZERO, ..BtcConfig::default() };
+        BtcWorker::new(
+            db.pool.clone(),
+            BtcNode::new(rpc),
+            HashMap::from([(
+                "b0".to_owned(),
+                Arc::new(BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap()),
+            )]),
+            config,
+        )
+    };
+    const ROUNDS: i64 = 5;
+    let one = worker(1);
+    let (mut ceiling_n, mut ceiling_t, mut ours_n, mut ours_t) = (0, Duration::ZERO, 0, Duration::ZERO);
+    for _ in 0..ROUNDS {
+        let (n, t) = ceiling(&db, 400).await;
+        (ceiling_n, ceiling_t) = (ceiling_n + n, ceiling_t + t);
+        let (n, t) = drain(&db, &one, batch_1_n / ROUNDS).await;
+        (ours_n, ours_t) = (ours_n + n, ours_t + t);
+    }
+    let ceiling_1 = per_second(ceiling_n, ceiling_t);
+    let batch_1 = per_second(ours_n, ours_t);
+    println!("  ceiling (select for update + update + commit on one row): {ceiling_1} txn/s");
+    println!("  batch 1:  {ours_n} withdrawals at {batch_1}/s = {}x the ceiling", ratio(batch_1, ceiling_1));
+    let fifty = worker(50);
+    let (n, t) = drain(&db, &fifty, batch_50_n).await;
+    let batch_50 = per_second(n, t);
+    let (cn, ct) = ceiling(&db, 2_000).await;
+    let ceiling_after = per_second(cn, ct);
+    println!(
+        "  batch 50: {n} withdrawals at {batch_50}/s = {}x the ceiling (target >= 10); the ceiling measured again after: {ceiling_after} txn/s",
+        ratio(batch_50, ceiling_1)
+    );
+    let spends: i64 =
+        db.pool.get().await.unwrap().query_one("select count(*) from btc_spend", &[]).await.unwrap().get(0);
+    println!("  {spends} signed transactions in all");
+}
