@@ -52,6 +52,19 @@ impl Pipelined {
         Ok((open, rows))
     }
 
+    /// Runs `statement` inside the transaction (its own round trip), planned for its parameters
+    /// rather than generically: for the larger read a lock-then-write transaction sometimes needs
+    /// in between.
+    pub async fn query(&self, statement: &Statement, params: Params<'_>) -> Result<Vec<Row>, Error> {
+        let client = self.client();
+        let (_, rows, _) = futures::try_join!(
+            client.batch_execute("set local plan_cache_mode = auto"),
+            client.query(statement, params),
+            client.batch_execute("set local plan_cache_mode = force_generic_plan"),
+        )?;
+        Ok(rows)
+    }
+
     /// The connection, while the transaction is open.
     fn client(&self) -> &Object {
         self.client.as_ref().expect("BUG: a finished pipelined transaction was used")

@@ -710,3 +710,54 @@ async fn replay_rebuilds_btc_attempts_from_their_bytes_and_names_what_was_edited
     let found = replay().await;
     assert!(found.contains(&format!("does not pay withdrawal {}", a.id)), "{found}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_stale_coin_set_is_stopped_by_the_reservation_index() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let config = BtcConfig { confirmations: 1, ..BtcConfig::default() };
+    let (a, b) = (p.worker(config.clone()), p.worker(config));
+    let to = |n| p.sim.address(AddrKind::P2wpkh, n);
+    // b reads both coins and reserves one; a then reserves the other.
+    let w1 = p.request("w1", &to(1), 300_000).await.unwrap().withdrawal;
+    assert_eq!(b.allocate_lane("b0").await.unwrap().signed, 1);
+    let w2 = p.request("w2", &to(2), 300_000).await.unwrap().withdrawal;
+    assert_eq!(a.allocate_lane("b0").await.unwrap().signed, 1);
+    // b still believes the second coin is free: the database refuses the second reservation.
+    let w3 = p.request("w3", &to(3), 300_000).await.unwrap().withdrawal;
+    let stale = b.allocate_lane("b0").await.unwrap();
+    assert_eq!((stale.signed, stale.short_lanes.len()), (0, 0), "refused by the index, not short: {stale:?}");
+    assert_eq!(p.load(w3.id).await.state, WithdrawalState::Requested);
+    // Read again, b finds nothing left: the lane is short, nothing paid twice.
+    let short = b.allocate_lane("b0").await.unwrap();
+    assert_eq!((short.signed, short.short_lanes.len()), (0, 1), "{short:?}");
+    let reserved: Vec<(String, i32, i64)> =
+        p.db.client()
+            .await
+            .query("select tx_hash, output_index, count(*) from utxo_reservation group by 1, 2", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+    assert_eq!(reserved.len(), 2);
+    assert!(reserved.iter().all(|(.., n)| *n == 1), "{reserved:?}");
+    assert_ne!(p.load(w1.id).await.tx_hash, p.load(w2.id).await.tx_hash);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_waits_to_fill_until_batch_wait_then_goes_as_it_is() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let waiting =
+        BtcConfig { batch_max: 3, batch_wait: std::time::Duration::from_secs(3600), ..quick(BtcConfig::default()) };
+    let worker =
+        BtcWorker::new(p.db.pool.clone(), p.worker(BtcConfig::default()).node().clone(), p.keys.clone(), waiting);
+    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 1), 100_000).await.unwrap().withdrawal;
+    assert_eq!(worker.allocate_lane("b0").await.unwrap().signed, 0, "one of three, and it has not waited an hour");
+    p.request("w2", &p.sim.address(AddrKind::P2wpkh, 2), 100_000).await.unwrap();
+    p.request("w3", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap();
+    assert_eq!(worker.allocate_lane("b0").await.unwrap().signed, 3, "full: one transaction pays all three");
+    // A lone withdrawal goes once it has waited batch_wait (here: none).
+    let lone = p.request("w4", &p.sim.address(AddrKind::P2wpkh, 4), 100_000).await.unwrap().withdrawal;
+    assert_eq!(p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap().signed, 1);
+    assert_ne!(p.load(lone.id).await.tx_hash, p.load(first.id).await.tx_hash);
+}

@@ -149,27 +149,35 @@ impl BtcHotKey {
     pub fn sign(&self, tx: &mut Transaction, prevouts: &[(KeyPath, bitcoin::Amount)]) {
         assert_eq!(tx.input.len(), prevouts.len(), "BUG: one prevout per input");
         let mut witnesses = Vec::with_capacity(prevouts.len());
+        // Each key derived once per transaction (a batch's coins mostly share the funding key).
+        let mut keys: Vec<(KeyPath, Xpriv, CompressedPublicKey, ScriptBuf)> = Vec::new();
         {
             let mut cache = SighashCache::new(&*tx);
             for (input, (path, value)) in prevouts.iter().enumerate() {
-                let (chain, index) = path.steps();
-                let mut child = self
-                    .account
-                    .derive_priv(&self.secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
-                    .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
-                let public = CompressedPublicKey(child.private_key.public_key(&self.secp));
-                let script = ScriptBuf::new_p2wpkh(&public.wpubkey_hash());
+                if !keys.iter().any(|(p, ..)| p == path) {
+                    let (chain, index) = path.steps();
+                    let child = self
+                        .account
+                        .derive_priv(&self.secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
+                        .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
+                    let public = CompressedPublicKey(child.private_key.public_key(&self.secp));
+                    let script = ScriptBuf::new_p2wpkh(&public.wpubkey_hash());
+                    keys.push((*path, child, public, script));
+                }
+                let (_, child, public, script) = keys.iter().find(|(p, ..)| p == path).expect("BUG: derived above");
                 let sighash = cache
-                    .p2wpkh_signature_hash(input, &script, *value, EcdsaSighashType::All)
+                    .p2wpkh_signature_hash(input, script, *value, EcdsaSighashType::All)
                     .expect("BUG: every input has a prevout and the script is P2WPKH");
                 let message = Message::from_digest(sighash.to_byte_array());
                 let signature = bitcoin::ecdsa::Signature {
                     signature: self.secp.sign_ecdsa(&message, &child.private_key),
                     sighash_type: EcdsaSighashType::All,
                 };
-                child.private_key.non_secure_erase();
                 witnesses.push(Witness::p2wpkh(&signature, &public.0));
             }
+        }
+        for (_, mut child, ..) in keys {
+            child.private_key.non_secure_erase();
         }
         for (input, witness) in tx.input.iter_mut().zip(witnesses) {
             input.witness = witness;

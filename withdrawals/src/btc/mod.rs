@@ -22,7 +22,7 @@ use bitcoin::consensus::{deserialize, serialize};
 use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, BtcAddress, BtcNetwork};
-use custodian_store::Pool;
+use custodian_store::{Pipelined, Pool};
 use deadpool_postgres::GenericClient;
 use tokio::sync::watch;
 
@@ -84,6 +84,12 @@ pub struct BtcWorker {
     node: BtcNode,
     keys: HashMap<String, Arc<BtcHotKey>>,
     config: BtcConfig,
+    /// Per lane, the spendable coins read at a canonical tip block, less what this worker
+    /// reserved since.
+    coins: std::sync::Mutex<HashMap<String, (String, Vec<Coin>)>>,
+    /// The node's fee estimate and the chain height it was read at: estimates move with blocks,
+    /// so one read serves every allocation until the next block.
+    fee: std::sync::Mutex<Option<(u64, FeeRate)>>,
 }
 
 /// A spend with open withdrawals: its id and its withdrawals, the first of which stands for all
@@ -129,8 +135,9 @@ pub fn fee_shares(fee: u64, weights: &[u64]) -> Vec<u64> {
     shares
 }
 
-/// The lane's row, its BTC wallet's change cursor, and the oldest requested withdrawals of the
-/// lane no other worker holds, each with its whole event stream ($1 lane, $2 at most).
+/// The lane's row, its BTC wallet's change cursor, the canonical tip block, and the oldest
+/// requested withdrawals of the lane no other worker holds, each with its whole event stream and
+/// whether it has waited `$3` milliseconds ($1 lane, $2 at most).
 const LOCK_LANE_AND_WITHDRAWALS: &str = "
 with lane as (
     select h.address, h.paused_at is not null as paused, b.next_change_index, h.shortage
@@ -138,14 +145,17 @@ with lane as (
      where h.chain = 'btc' and h.lane = $1
        for update of h, b
 ), ready as (
-    select id, account_id, asset, destination, amount, last_seq from withdrawal
+    select id, account_id, asset, destination, amount, last_seq, requested_at from withdrawal
      where chain = 'btc' and lane = $1 and state = 'requested'
      order by id limit $2 for update skip locked
 )
 select lane.address, lane.paused, lane.next_change_index, lane.shortage,
        ready.id, ready.account_id, ready.asset, ready.destination, ready.amount, ready.last_seq,
        (select array_agg(e.event_type order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id),
-       (select array_agg(e.payload order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id)
+       (select array_agg(e.payload order by e.seq) from withdrawal_event e where e.withdrawal_id = ready.id),
+       (select b.block_hash from chain_block b where b.chain = 'btc' and b.orphaned_at is null
+         order by b.height desc limit 1) as tip_hash,
+       ready.requested_at <= now() - $3::bigint * interval '1 millisecond' as due
   from lane left join ready on true
  order by ready.id";
 
@@ -194,10 +204,46 @@ with spend as (
 )
 select id from spend";
 
+/// The lane's spendable candidates, largest first.
+async fn read_coins(
+    tx: &Pipelined,
+    spendable: &tokio_postgres::Statement,
+    lane: &str,
+) -> Result<Vec<Coin>, tokio_postgres::Error> {
+    Ok(tx
+        .query(spendable, &[&lane, &CANDIDATES])
+        .await?
+        .iter()
+        .map(|r| Coin {
+            outpoint: OutPoint {
+                txid: r.get::<_, &str>(0).parse().expect("BUG: a stored txid is hex"),
+                vout: u32::try_from(r.get::<_, i32>(1)).expect("BUG: negative output index"),
+            },
+            amount: sat(&r.get::<_, U256>(2)),
+            path: path_of(r.get(3)),
+        })
+        .collect())
+}
+
+/// The longest oldest-first prefix of `ready` the coins cover, with its selection: never a
+/// partial payment.
+fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> Option<(usize, tx::Selection)> {
+    (1..=ready.len()).rev().find_map(|take| {
+        let payouts: Vec<(usize, u64)> =
+            ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount.units()))).collect();
+        tx::select(coins, &payouts, rate, CHANGE_DUST).map(|selection| (take, selection))
+    })
+}
+
 impl BtcWorker {
     /// A worker signing for `keys` (lane name → key).
     pub fn new(pool: Pool, node: BtcNode, keys: HashMap<String, Arc<BtcHotKey>>, config: BtcConfig) -> BtcWorker {
-        BtcWorker { pool, node, keys, config }
+        BtcWorker { pool, node, keys, config, coins: std::sync::Mutex::default(), fee: std::sync::Mutex::default() }
+    }
+
+    /// The node this worker asks.
+    pub fn node(&self) -> &BtcNode {
+        &self.node
     }
 
     /// Passes every `interval` until `stopped` turns true; a pass is never cut short. Transient
@@ -265,7 +311,7 @@ impl BtcWorker {
         if paused {
             return Ok(());
         }
-        let rate = self.fee_rate().await?;
+        let rate = self.fee_rate(tip).await?;
         self.allocate_with(lane, key, tip, rate, report).await?;
         self.cancel_attempts(lane, key, tip, rate, report).await?;
         let refused = self.broadcast(lane, tip, report).await?;
@@ -274,11 +320,17 @@ impl BtcWorker {
     }
 
     /// `estimatesmartfee` for the configured target, clamped to the configured floor and cap; the
-    /// floor when the node has no estimate yet.
-    async fn fee_rate(&self) -> Result<FeeRate, WorkError> {
+    /// floor when the node has no estimate yet. Read once per chain height.
+    async fn fee_rate(&self, tip: u64) -> Result<FeeRate, WorkError> {
+        let known = *self.fee.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, rate)) = known.filter(|(at, _)| *at == tip) {
+            return Ok(rate);
+        }
         let estimate = self.node.estimate_fee_rate(self.config.fee_target_blocks).await?;
-        let rate = estimate.unwrap_or(self.config.min_fee_rate);
-        Ok(rate.max(self.config.min_fee_rate).min(self.config.max_fee_rate))
+        let rate =
+            estimate.unwrap_or(self.config.min_fee_rate).max(self.config.min_fee_rate).min(self.config.max_fee_rate);
+        *self.fee.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((tip, rate));
+        Ok(rate)
     }
 
     /// Only the allocate-and-sign step for one lane: what a process that dies right after
@@ -288,7 +340,7 @@ impl BtcWorker {
         let Some(tip) = self.tip().await? else { return Ok(report) };
         let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
         if let (Some(lane), Some(key)) = (lanes.iter().find(|l| l.lane == lane), self.keys.get(lane)) {
-            let rate = self.fee_rate().await?;
+            let rate = self.fee_rate(tip).await?;
             self.allocate_with(lane, key, tip, rate, &mut report).await?;
         }
         Ok(report)
@@ -306,30 +358,40 @@ impl BtcWorker {
         rate: FeeRate,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
-        let mut client = self.pool.get().await?;
+        let client = self.pool.get().await?;
         let wait_ms = i64::try_from(self.config.batch_wait.as_millis()).unwrap_or(i64::MAX);
-        let waiting = client
-            .query_one(
-                "select count(*), coalesce(bool_or(requested_at <= now() - $2::bigint * interval '1 millisecond'), false)
-                   from withdrawal where chain = 'btc' and lane = $1 and state = 'requested'",
-                &[&lane.lane, &wait_ms],
-            )
-            .await?;
-        let (count, old_enough): (i64, bool) = (waiting.get(0), waiting.get(1));
-        if count == 0 || (count < self.config.batch_max && !old_enough) {
-            return Ok(());
-        }
-        let (lock, spendable, write) = futures::try_join!(
+        // Prepared once per connection, so none of these costs a round trip after the first batch.
+        let (lock, spendable, write, set_short, clear_short) = futures::try_join!(
             client.prepare_cached(LOCK_LANE_AND_WITHDRAWALS),
             client.prepare_cached(SPENDABLE),
             client.prepare_cached(WRITE_ALLOCATION),
+            client.prepare_cached(
+                "update hot_wallet set shortage = $2, shortage_since = coalesce(shortage_since, now())
+                  where chain = 'btc' and lane = $1 and shortage is distinct from $2"
+            ),
+            client.prepare_cached(
+                "update hot_wallet set shortage = null, shortage_since = null where chain = 'btc' and lane = $1"
+            ),
         )?;
-        let tx = client.transaction().await?;
-        let rows = tx.query(&lock, &[&lane.lane, &self.config.batch_max]).await?;
-        let Some(first) = rows.first() else { return Ok(()) };
-        let (address, paused, next_change, shortage): (String, bool, i32, Option<String>) =
-            (first.get(0), first.get(1), first.get(2), first.get(3));
+        // First round trip: BEGIN and the lane and withdrawal locks.
+        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane, &self.config.batch_max, &wait_ms]).await?;
+        let Some(first) = rows.first() else {
+            tx.rollback().await?;
+            return Ok(());
+        };
+        // A batch goes once it is full or its oldest has waited `batch_wait`.
+        let waiting = rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()).count();
+        let due = first.get::<_, Option<bool>>(13).unwrap_or(false);
+        if waiting == 0 || (i64::try_from(waiting).unwrap_or(i64::MAX) < self.config.batch_max && !due) {
+            tx.rollback().await?;
+            return Ok(());
+        }
+        let (address, paused, next_change, shortage, tip_hash): (String, bool, i32, Option<String>, Option<String>) =
+            (first.get(0), first.get(1), first.get(2), first.get(3), first.get(12));
+        // The cache is keyed by the canonical tip block: a reorg, even to the same height, reads again.
+        let at = tip_hash.unwrap_or_default();
         if paused {
+            tx.rollback().await?;
             return Ok(());
         }
         let mut ready: Vec<(Withdrawal, ScriptBuf)> = Vec::new();
@@ -348,28 +410,19 @@ impl BtcWorker {
             crate::worker::review_tampered(&self.pool, "btc", &lane.lane, tampered).await?;
             return Ok(());
         }
-        let coins: Vec<Coin> = tx
-            .query(&spendable, &[&lane.lane, &CANDIDATES])
-            .await?
-            .iter()
-            .map(|r| Coin {
-                outpoint: OutPoint {
-                    txid: r.get::<_, &str>(0).parse().expect("BUG: a stored txid is hex"),
-                    vout: u32::try_from(r.get::<_, i32>(1)).expect("BUG: negative output index"),
-                },
-                amount: sat(&r.get::<_, U256>(2)),
-                path: path_of(r.get(3)),
-            })
-            .collect();
-        // The longest oldest-first prefix the coins cover: never a partial payment.
-        let mut chosen = None;
-        for take in (1..=ready.len()).rev() {
-            let payouts: Vec<(usize, u64)> =
-                ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount.units()))).collect();
-            if let Some(selection) = tx::select(&coins, &payouts, rate, CHANGE_DUST) {
-                chosen = Some((take, selection));
-                break;
-            }
+        // The spendable set changes only with new blocks (and our own reservations, taken out of
+        // the cache as they are made): one read serves every allocation at a tip. A cached set
+        // that cannot pay is read again before the lane is called short.
+        let cached = self.cached_coins(&lane.lane, &at);
+        let fresh = cached.is_none();
+        let mut coins = match cached {
+            Some(coins) => coins,
+            None => read_coins(&tx, &spendable, &lane.lane).await?,
+        };
+        let mut chosen = choose(&coins, &ready, rate);
+        if chosen.is_none() && !fresh {
+            coins = read_coins(&tx, &spendable, &lane.lane).await?;
+            chosen = choose(&coins, &ready, rate);
         }
         let Some((take, selection)) = chosen else {
             let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount.units())).min().unwrap_or(0);
@@ -379,13 +432,7 @@ impl BtcWorker {
                 held,
                 coins.len()
             );
-            tx.execute(
-                "update hot_wallet set shortage = $2, shortage_since = coalesce(shortage_since, now())
-                  where chain = 'btc' and lane = $1 and shortage is distinct from $2",
-                &[&lane.lane, &short],
-            )
-            .await?;
-            tx.commit().await?;
+            tx.commit_with(&[(&set_short, &[&lane.lane, &short])]).await?;
             if shortage.is_none() {
                 tracing::error!(lane = %lane.lane, %short, "ALERT: BTC hot wallet short; its withdrawals wait");
                 metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
@@ -394,16 +441,10 @@ impl BtcWorker {
             report.short_lanes.push(format!("{}: {short}", lane.lane));
             return Ok(());
         };
-        if shortage.is_some() {
-            tx.execute(
-                "update hot_wallet set shortage = null, shortage_since = null where chain = 'btc' and lane = $1",
-                &[&lane.lane],
-            )
-            .await?;
-            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(0.0);
-        }
+        let was_short = shortage.is_some();
         let ready = &ready[..take];
-        let spent: Vec<&Coin> = selection.coins.iter().map(|i| &coins[*i]).collect();
+        let spent: Vec<Coin> = selection.coins.iter().map(|i| coins[*i].clone()).collect();
+        let spent_refs: Vec<&Coin> = spent.iter().collect();
         let mut outputs: Vec<bitcoin::TxOut> =
             ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount.units()))).collect();
         let change_index = selection.change.map(|_| next_change);
@@ -411,7 +452,7 @@ impl BtcWorker {
         if let (Some(change), Some(address)) = (selection.change, &change_address) {
             outputs.push(tx::pay(address.script_pubkey(), change));
         }
-        let mut signed = tx::unsigned(&spent, outputs);
+        let mut signed = tx::unsigned(&spent_refs, outputs);
         let prevouts: Vec<(KeyPath, bitcoin::Amount)> =
             spent.iter().map(|c| (c.path, bitcoin::Amount::from_sat(c.amount))).collect();
         key.sign(&mut signed, &prevouts);
@@ -450,36 +491,75 @@ impl BtcWorker {
             .collect();
         let change_output = selection.change.map(|_| vouts.len() as i32);
         let next = next_change + i32::from(change_index.is_some());
-        tx.query_one(
-            &write,
-            &[
-                &lane.lane,
-                &change_index,
-                &change_address.as_ref().map(ToString::to_string),
-                &txid,
-                &raw,
-                &U256::from(selection.fee),
-                &vsize,
-                &change_output,
-                &coin_txids,
-                &coin_vouts,
-                &coin_amounts,
-                &coin_paths,
-                &ids,
-                &vouts,
-                &weights,
-                &seqs,
-                &payloads,
-                &address,
-                &next,
-            ],
-        )
-        .await?;
-        tx.commit().await?;
+        // Second round trip: every write, the shortage cleared if there was one, and COMMIT.
+        let change_text = change_address.as_ref().map(ToString::to_string);
+        let fee = U256::from(selection.fee);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 19] = [
+            &lane.lane,
+            &change_index,
+            &change_text,
+            &txid,
+            &raw,
+            &fee,
+            &vsize,
+            &change_output,
+            &coin_txids,
+            &coin_vouts,
+            &coin_amounts,
+            &coin_paths,
+            &ids,
+            &vouts,
+            &weights,
+            &seqs,
+            &payloads,
+            &address,
+            &next,
+        ];
+        let lane_name: &(dyn tokio_postgres::types::ToSql + Sync) = &lane.lane;
+        let clear: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [lane_name];
+        let mut writes: Vec<(&tokio_postgres::Statement, custodian_store::pipeline::Params<'_>)> =
+            vec![(&write, &params)];
+        if was_short {
+            writes.push((&clear_short, &clear));
+        }
+        let committed = tx.commit_with(&writes).await.map(|_| ());
+        match committed {
+            Err(e) if custodian_store::is_unique_violation(&e, Some("utxo_reservation_live")) => {
+                // Another worker reserved one of these coins first: the database refused the second
+                // reservation. Read the coins again next time.
+                self.forget_coins(&lane.lane);
+                tracing::info!(lane = %lane.lane, "a coin was reserved by another worker first; allocated again next pass");
+                return Ok(());
+            }
+            Err(e) => {
+                self.forget_coins(&lane.lane);
+                return Err(e.into());
+            }
+            Ok(()) => {}
+        }
+        if was_short {
+            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(0.0);
+        }
+        let reserved: HashSet<OutPoint> = spent.iter().map(|c| c.outpoint).collect();
+        coins.retain(|c| !reserved.contains(&c.outpoint));
+        self.keep_coins(&lane.lane, at, coins);
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(ids.len() as u64);
         metrics::histogram!("custodian_btc_batch_size").record(ids.len() as f64);
         report.signed += ids.len() as u64;
         Ok(())
+    }
+
+    fn cached_coins(&self, lane: &str, tip: &str) -> Option<Vec<Coin>> {
+        let cache = self.coins.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        cache.get(lane).filter(|(at, _)| at == tip).map(|(_, coins)| coins.clone())
+    }
+
+    fn keep_coins(&self, lane: &str, tip: String, coins: Vec<Coin>) {
+        self.coins.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(lane.to_owned(), (tip, coins));
+    }
+
+    fn forget_coins(&self, lane: &str) {
+        self.coins.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(lane);
     }
 
     /// The lane's spends with withdrawals in one of `states`, oldest first.

@@ -157,6 +157,11 @@ fn branch_and_bound(values: &[u128], target: u128, tolerance: u128) -> Option<Ve
             let Some(last) = picked.pop() else { break };
             sum -= values[last];
             position = last + 1;
+            // Excluding a coin and then including one of the same value only repeats sums
+            // already tried (Bitcoin Core's BnB skips them alike).
+            while position < values.len() && values[position] == values[last] {
+                position += 1;
+            }
             if best.as_ref().is_some_and(|(b, _)| *b == 0) {
                 break;
             }
@@ -253,6 +258,19 @@ mod tests {
         let fee = rate.fee(tx_weight(1, [22, 34, 22]));
         assert_eq!(s.fee, fee);
         assert_eq!(s.change, Some(400_000 - 150_000 - fee));
+    }
+
+    #[test]
+    fn equal_coins_are_searched_once() {
+        // 500 equal coins and no exact match: without skipping equal values the search would try
+        // every combination of them before giving up.
+        let rate = FeeRate::per_vb(1);
+        let coins: Vec<Coin> = (0..500).map(|i| coin((i % 250) as u8, 50_000)).collect();
+        let started = std::time::Instant::now();
+        let s = select(&coins, &[(22, 1_000_000)], rate, 294).expect("covered");
+        assert!(started.elapsed() < std::time::Duration::from_millis(200), "{:?}", started.elapsed());
+        assert_eq!(s.coins.len(), 21, "largest-first after the search");
+        assert!(s.change.is_some());
     }
 
     #[test]
