@@ -275,7 +275,30 @@ check_rust() {
     done
 }
 
+# ---------------------------------------------------------------- promtool
+
+# The tests load ops/prometheus/alerts.yml with promtool, from Debian's prometheus package. Its
+# recommends (node-exporter, on :9100, the service's default metrics port) are not wanted, and
+# policy-rc.d keeps the package from starting a Prometheus server.
+ensure_promtool() {
+    if command -v promtool >/dev/null 2>&1; then
+        return
+    fi
+    local policy=/usr/sbin/policy-rc.d created=0
+    if [ ! -e "$policy" ]; then
+        as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
+        created=1
+    fi
+    apt_install --no-install-recommends prometheus
+    if [ "$created" -eq 1 ]; then
+        as_root rm -f "$policy"
+    fi
+    command -v promtool >/dev/null 2>&1 || die "prometheus installed but promtool not found"
+    log "promtool -> $(command -v promtool)"
+}
+
 ensure_postgres
 ensure_tools
+ensure_promtool
 check_rust
 echo "setup: ok"

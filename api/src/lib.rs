@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tonic::Status;
 
 mod auth;
+pub mod metric_catalog;
 mod rate;
 mod services;
 mod status;

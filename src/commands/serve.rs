@@ -91,6 +91,7 @@ pub async fn run(
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .context("installing the metrics recorder")?;
+    custodian_api::metric_catalog::describe_all();
     let grpc = bind("gRPC", grpc_listen.or(settings.file.api.listen.as_deref()).unwrap_or("127.0.0.1:50051")).await?;
     let metrics =
         bind("metrics", metrics_listen.or(settings.file.metrics.listen.as_deref()).unwrap_or("127.0.0.1:9100")).await?;
@@ -284,7 +285,13 @@ async fn reconcile(
 async fn gauges(pool: Pool, mut stopped: watch::Receiver<bool>) -> Result<()> {
     while !*stopped.borrow() {
         if let Ok(client) = pool.get().await {
-            if let Ok(rows) = client.query("select state, count(*) from withdrawal group by state", &[]).await {
+            // Every state, zero included: a state that empties must read 0, not its last count.
+            let per_state =
+                "select s.state, count(w.id) from unnest(array['requested', 'awaiting_approval', 'rejected',
+                                     'signed', 'broadcast', 'mined', 'confirmed', 'failed_onchain', 'cancel_requested',
+                                     'cancelled', 'needs_review']) as s (state)
+                               left join withdrawal w on w.state = s.state group by s.state";
+            if let Ok(rows) = client.query(per_state, &[]).await {
                 for row in rows {
                     metrics::gauge!("custodian_withdrawals", "state" => row.get::<_, String>(0))
                         .set(row.get::<_, i64>(1) as f64);

@@ -9,6 +9,7 @@ mod harness;
 mod ledger;
 mod lifecycle;
 mod lifecycle_eth;
+mod ops;
 mod properties;
 mod serve;
 mod withdrawal_edges;

@@ -118,6 +118,11 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     .await;
     let metrics = http_get(&first.metrics, "/metrics").await;
     assert!(metrics.contains("custodian_withdrawals_total"), "{metrics}");
+    // Every exported metric carries its HELP text (the catalog the dashboard is checked against).
+    for line in metrics.lines().filter(|l| l.starts_with("# TYPE custodian_")) {
+        let name = line.split_whitespace().nth(2).unwrap();
+        assert!(metrics.contains(&format!("# HELP {name} ")), "{name} has no HELP text:\n{metrics}");
+    }
     assert!(http_get(&second.metrics, "/healthz").await.starts_with("HTTP/1.1 200"));
 
     // A busy moment: more requests arrive, and both processes are told to stop.

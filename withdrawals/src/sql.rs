@@ -322,7 +322,6 @@ pub async fn pause_lane_on<C: GenericClient>(
         .await?;
     if paused > 0 {
         tracing::error!(chain, lane, reason, "ALERT: lane paused");
-        metrics::gauge!("custodian_lanes_paused").increment(1.0);
     }
     Ok(paused > 0)
 }
