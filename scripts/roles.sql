@@ -7,7 +7,7 @@
 --                      more: no superuser, no role creation, no replication, no row-level bypass.
 --   custodian_service  what the running service is (no login): the grants in migrations/.
 --   custodian_app      the service's login, a member of custodian_service and nothing else.
---   custodian_reader   finance's read-only role: the four views.
+--   custodian_reader   finance's read-only login: the finance views and nothing else.
 --
 -- A password is not set here: local development trusts these roles on loopback (setup.sh says
 -- which lines of pg_hba.conf it adds); a deployment sets passwords or certificates itself.
@@ -20,7 +20,7 @@ begin
             ('custodian_owner', 'login createdb'),
             ('custodian_service', 'nologin nocreatedb'),
             ('custodian_app', 'login nocreatedb'),
-            ('custodian_reader', 'nologin nocreatedb')
+            ('custodian_reader', 'login nocreatedb')
         ) as s (name, options)
     loop
         if not exists (select 1 from pg_roles where rolname = spec.name) then

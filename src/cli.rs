@@ -123,12 +123,19 @@ pub enum Command {
     /// Reversal proposals for posted deposits that a deep reorg took away.
     #[command(subcommand)]
     Reversals(ReversalsCommand),
-    /// Balances per account and asset: confirmed, pending, held, available.
+    /// Balances per account and asset: confirmed, pending, held, available. With `--as-of`, the
+    /// balances the postings made at a past moment (available and held), from the finance views.
     Balances {
         /// Only this account (reference or id).
         #[arg(long)]
         account: Option<String>,
+        /// A past moment (`2026-11-30`, `2026-11-30T18:00:00Z`): balances from the postings up to it.
+        #[arg(long)]
+        as_of: Option<String>,
     },
+    /// Finance exports, read through the views the read-only role `custodian_reader` sees.
+    #[command(subcommand)]
+    Export(ExportCommand),
     /// The ledger against the chain, per asset: custody against what our addresses hold at our
     /// tip (less what is observed and not yet credited), and what customers are owed against
     /// custody. Exit 3 with each difference named.
@@ -429,6 +436,34 @@ pub enum AddressCommand {
         #[arg(long)]
         from_height: Option<u64>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ExportCommand {
+    /// Every posting between two moments (`--from` inclusive, `--to` exclusive), oldest first.
+    Ledger {
+        /// From this moment (`2026-11-01` or an RFC 3339 timestamp).
+        #[arg(long)]
+        from: String,
+        /// Until this moment, exclusive.
+        #[arg(long)]
+        to: String,
+        /// csv (a header, then one line per posting) or json (an array).
+        #[arg(long, value_enum, default_value = "csv")]
+        format: ExportFormat,
+        /// Only this ledger account (`user:42`, `treasury`, `custody`, …).
+        #[arg(long)]
+        ledger_account: Option<String>,
+    },
+}
+
+/// How an export is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportFormat {
+    /// Comma-separated values with a header line.
+    Csv,
+    /// One JSON array.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]

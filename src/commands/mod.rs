@@ -4,6 +4,7 @@ mod account;
 mod audit;
 mod demo;
 mod deposits;
+mod export;
 mod ledger;
 mod migrate;
 mod reconcile;
@@ -15,8 +16,8 @@ mod withdraw;
 use anyhow::{Context, Result};
 
 use crate::cli::{
-    AccountCommand, AddressCommand, Cli, Command, HotWalletCommand, PolicyCommand, ReversalsCommand, TokenCommand,
-    WithdrawalsCommand,
+    AccountCommand, AddressCommand, Cli, Command, ExportCommand, HotWalletCommand, PolicyCommand, ReversalsCommand,
+    TokenCommand, WithdrawalsCommand,
 };
 use crate::exit::Exit;
 use crate::settings::Settings;
@@ -48,7 +49,13 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Reversals(ReversalsCommand::Reject { id, reason }) => {
             ledger::decide(&settings, id, false, Some(&reason)).await
         }
-        Command::Balances { account } => ledger::balances(&settings, account.as_deref()).await,
+        Command::Balances { account, as_of: None } => ledger::balances(&settings, account.as_deref()).await,
+        Command::Balances { account, as_of: Some(as_of) } => {
+            export::balances_as_of(&settings, account.as_deref(), &as_of).await
+        }
+        Command::Export(ExportCommand::Ledger { from, to, format, ledger_account }) => {
+            export::ledger(&settings, &from, &to, format, ledger_account.as_deref()).await
+        }
         Command::Replay { verify } => audit::replay(&settings, verify).await,
         Command::Reconcile => reconcile::reconcile(&settings).await,
         Command::Events { from, limit } => audit::events(&settings, from, limit).await,

@@ -672,9 +672,9 @@ pub async fn work(
                 None => super::print_json(&report)?,
             }
         } else {
-            println!("{report:?}");
+            println!("{}", pass_summary("eth", &report));
             if let Some(btc_report) = btc_report {
-                println!("btc: {btc_report:?}");
+                println!("{}", pass_summary("btc", &btc_report));
             }
         }
         return Ok(Exit::Success);
@@ -697,6 +697,39 @@ pub async fn work(
     Ok(Exit::Success)
 }
 
+/// One pass's report for people: what moved, then each lane that needs attention on its own line.
+fn pass_summary(chain: &str, r: &custodian_withdrawals::PassReport) -> String {
+    let counts = [
+        ("signed", r.signed),
+        ("broadcast", r.broadcast),
+        ("sent again", r.rebroadcast),
+        ("bumped", r.bumped),
+        ("cancels signed", r.cancel_attempts),
+        ("mined", r.mined),
+        ("unmined", r.unmined),
+        ("confirmed", r.confirmed),
+        ("cancelled", r.cancelled),
+        ("failed on chain", r.failed_onchain),
+        ("rejected", r.rejected),
+        ("paid short", r.short_paid),
+        ("needs review", r.needs_review),
+        ("at the fee cap", r.fee_cap_reached),
+    ];
+    let moved: Vec<String> = counts.iter().filter(|(_, n)| *n > 0).map(|(what, n)| format!("{n} {what}")).collect();
+    let mut out = format!("{chain}: {}", if moved.is_empty() { "nothing to do".to_owned() } else { moved.join(", ") });
+    for (what, lanes) in [
+        ("short", &r.short_lanes),
+        ("nonce gap", &r.nonce_gaps),
+        ("paused now", &r.paused_lanes),
+        ("failed (retried)", &r.lane_errors),
+    ] {
+        for lane in lanes {
+            out.push_str(&format!("\n  {what}: {lane}"));
+        }
+    }
+    out
+}
+
 /// `work` with BTC lanes only (no Ethereum node configured).
 async fn work_btc(settings: &Settings, once: bool, btc: BtcWorker, interval: Duration) -> Result<Exit> {
     if once {
@@ -704,7 +737,7 @@ async fn work_btc(settings: &Settings, once: bool, btc: BtcWorker, interval: Dur
         if settings.json {
             super::print_json(&json!({ "btc": report }))?;
         } else {
-            println!("btc: {report:?}");
+            println!("{}", pass_summary("btc", &report));
         }
         return Ok(Exit::Success);
     }

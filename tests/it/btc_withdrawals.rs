@@ -159,12 +159,12 @@ use custodian_withdrawals::request::{self, Destination, Request, RequestError, R
 use custodian_withdrawals::{actions, hot_wallet, sql};
 
 /// Two BTC lanes funded from outside, alice credited by a real deposit, on the simulator.
-struct Payouts {
-    sim: BitcoinSim,
-    db: TestDb,
+pub(crate) struct Payouts {
+    pub(crate) sim: BitcoinSim,
+    pub(crate) db: TestDb,
     keys: HashMap<String, Arc<BtcHotKey>>,
     funding: Vec<Address>,
-    alice: i64,
+    pub(crate) alice: i64,
 }
 
 fn quick(config: BtcConfig) -> BtcConfig {
@@ -173,7 +173,7 @@ fn quick(config: BtcConfig) -> BtcConfig {
 
 impl Payouts {
     /// `lanes` lanes, each funded with `coins` coins of `coin` satoshis; alice holds `alice` sats.
-    async fn new(lanes: u32, coins: usize, coin: u64, alice: u64) -> Payouts {
+    pub(crate) async fn new(lanes: u32, coins: usize, coin: u64, alice: u64) -> Payouts {
         let sim = BitcoinSim::start().await;
         let db = TestDb::new().await;
         let deposit = sim.address(AddrKind::P2wpkh, 900);
@@ -202,7 +202,7 @@ impl Payouts {
         scan(&self.db, &self.sim).await;
     }
 
-    fn worker(&self, config: BtcConfig) -> BtcWorker {
+    pub(crate) fn worker(&self, config: BtcConfig) -> BtcWorker {
         let rpc = custodian_store::btc_rpc::BtcRpc::new(
             &self.sim.url(),
             custodian_store::btc_rpc::BtcAuth::UserPassword {
@@ -214,7 +214,7 @@ impl Payouts {
         BtcWorker::new(self.db.pool.clone(), BtcNode::new(rpc), self.keys.clone(), quick(config))
     }
 
-    async fn request(&self, external_id: &str, to: &Address, sats: u64) -> Result<Requested, RequestError> {
+    pub(crate) async fn request(&self, external_id: &str, to: &Address, sats: u64) -> Result<Requested, RequestError> {
         let r = Request {
             account_id: self.alice,
             external_id: external_id.to_owned(),
@@ -236,7 +236,7 @@ impl Payouts {
 
     /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
     /// one of `ids` is in a final state; at most `rounds`.
-    async fn settle(&self, workers: &[&BtcWorker], ids: &[i64], rounds: usize) {
+    pub(crate) async fn settle(&self, workers: &[&BtcWorker], ids: &[i64], rounds: usize) {
         for _ in 0..rounds {
             futures::future::join_all(workers.iter().map(|w| w.pass())).await.into_iter().for_each(|r| {
                 r.unwrap();
@@ -760,4 +760,30 @@ async fn a_batch_waits_to_fill_until_batch_wait_then_goes_as_it_is() {
     let lone = p.request("w4", &p.sim.address(AddrKind::P2wpkh, 4), 100_000).await.unwrap().withdrawal;
     assert_eq!(p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap().signed, 1);
     assert_ne!(p.load(lone.id).await.tx_hash, p.load(first.id).await.tx_hash);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let dir = tempdir();
+    let key = key_file(&dir, "b0.key", &account_key(0).to_string(), 0o600);
+    let config = dir.join("custodian.toml");
+    std::fs::write(
+        &config,
+        format!("[btc]\nbatch_wait_ms = 0\nconfirmations = 1\n[btc.hot_key_files]\nb0 = \"{key}\"\n"),
+    )
+    .unwrap();
+    let w = p.request("w", &p.sim.address(AddrKind::P2tr, 9), 250_000).await.unwrap().withdrawal;
+    let env = btc_env(&p.db, &p.sim, None);
+    let config = config.display().to_string();
+    let pass = run(env.clone(), &["work", "--once", "--config", &config]).await;
+    assert_eq!(pass.code, 0, "{}{}", pass.stdout, pass.stderr);
+    assert_eq!(pass.stdout.trim(), "btc: 1 signed, 1 broadcast", "a report for people, not a debug dump");
+    assert_eq!(p.sim.mempool(), vec![p.load(w.id).await.tx_hash.unwrap().parse::<Txid>().unwrap()]);
+    p.sim.mine_mempool();
+    p.scan().await;
+    let pass = run(env, &["work", "--once", "--config", &config, "--json"]).await;
+    assert_eq!(pass.code, 0, "{}{}", pass.stdout, pass.stderr);
+    assert_eq!((pass.json()["btc"]["mined"].as_u64(), pass.json()["btc"]["confirmed"].as_u64()), (Some(1), Some(1)));
+    assert_eq!(p.load(w.id).await.state, WithdrawalState::Confirmed);
 }
