@@ -149,6 +149,10 @@ pub struct ApiConfig {
 pub struct MetricsConfig {
     /// Address `/metrics` and `/healthz` listen on.
     pub listen: Option<String>,
+    /// Per lane, the balance of its native coin (in ETH or BTC, as a decimal) below which
+    /// `custodian_hot_wallet_low{lane}` reads 1 and an alert is logged.
+    #[serde(default)]
+    pub low_balance: std::collections::BTreeMap<String, String>,
 }
 
 /// The file's permission bits when group or others may read or write it; `None` when only its

@@ -65,6 +65,12 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
         "attempts that could not be replaced within the configured fee cap, per lane (alert)",
     ),
     (
+        "custodian_hot_wallet_balance",
+        Kind::Gauge,
+        "each hot wallet's balance of its native coin, smallest units (ETH at the node's latest block, BTC its spendable coins), per chain and lane",
+    ),
+    ("custodian_hot_wallet_low", Kind::Gauge, "1 while a lane's hot wallet is below its [metrics] low_balance threshold, per lane"),
+    (
         "custodian_hot_wallet_short",
         Kind::Gauge,
         "1 while a lane's hot wallet cannot cover its next withdrawal, per lane",

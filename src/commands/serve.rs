@@ -182,6 +182,12 @@ pub async fn run(
         });
     }
     tasks.spawn(gauges(pool.clone(), stopped.clone()));
+    let thresholds = low_balance_thresholds(settings)?;
+    let eth_node = match &settings.eth_rpc {
+        Some(url) => Some(EthNode::with_timeout(url, settings.eth_rpc_timeout).map_err(|e| invalid(e.to_string()))?),
+        None => None,
+    };
+    tasks.spawn(hot_wallet_gauges(pool.clone(), eth_node, thresholds, stopped.clone()));
     tasks.spawn(reconcile(settings.eth_rpc.clone(), settings.eth_rpc_timeout, pool.clone(), stopped.clone()));
     let parts = Parts { warnings, broken, scanners };
     tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(parts), stopped.clone()));
@@ -238,6 +244,81 @@ async fn work(
         let reason = format!("the withdrawal worker stopped: {e}");
         broken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reason.clone());
         anyhow::bail!(reason);
+    }
+    Ok(())
+}
+
+/// How often the hot wallets' balances are read for their gauges.
+const HOT_WALLET_GAUGE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// `[metrics] low_balance`, per lane in smallest units of the lane's native coin.
+fn low_balance_thresholds(settings: &Settings) -> Result<HashMap<String, alloy_primitives::U256>> {
+    settings
+        .file
+        .metrics
+        .low_balance
+        .iter()
+        .map(|(lane, amount)| {
+            // Which coin is only known from the lane's chain; both parse the same way, ETH to 18
+            // decimals and BTC to 8, so the lane's chain is looked up when the gauge is set.
+            let units = custodian_domain::Amount::parse_decimal(amount, 18)
+                .map_err(|e| invalid(format!("[metrics] low_balance.{lane} = {amount:?}: {e}")))?;
+            Ok((lane.clone(), units.units()))
+        })
+        .collect()
+}
+
+/// Each hot wallet's balance of its native coin as `custodian_hot_wallet_balance{chain,lane}`
+/// (smallest units: ETH from the node at its latest block, BTC the lane's spendable coins), and
+/// `custodian_hot_wallet_low{lane}` against `[metrics] low_balance`. Node calls happen outside
+/// any transaction; a failed read leaves the gauge as it was.
+async fn hot_wallet_gauges(
+    pool: Pool,
+    eth: Option<EthNode>,
+    thresholds: HashMap<String, alloy_primitives::U256>,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<()> {
+    let mut alerted: std::collections::HashSet<String> = std::collections::HashSet::new();
+    while !*stopped.borrow() {
+        let mut balances: Vec<(&'static str, String, alloy_primitives::U256)> = Vec::new();
+        if let Ok(client) = pool.get().await {
+            if let Ok(lanes) = hot_wallet::btc_lanes(&client).await {
+                for lane in lanes {
+                    if let Ok(spendable) = lane.spendable.parse::<alloy_primitives::U256>() {
+                        balances.push(("btc", lane.lane, spendable));
+                    }
+                }
+            }
+            let eth_lanes = hot_wallet::lanes(&client).await.unwrap_or_default();
+            drop(client);
+            if let Some(node) = &eth {
+                for lane in eth_lanes {
+                    let Ok(address) = lane.address.parse() else { continue };
+                    if let Ok(balance) = node.balance(address).await {
+                        balances.push(("eth", lane.lane, balance));
+                    }
+                }
+            }
+        }
+        for (chain, lane, balance) in balances {
+            metrics::gauge!("custodian_hot_wallet_balance", "chain" => chain, "lane" => lane.clone())
+                .set(u128::try_from(balance).unwrap_or(u128::MAX) as f64);
+            let Some(threshold) = thresholds.get(&lane) else { continue };
+            // Thresholds are parsed to 18 decimals; BTC counts in 8.
+            let threshold =
+                if chain == "btc" { *threshold / alloy_primitives::U256::from(10_000_000_000u64) } else { *threshold };
+            let low = balance < threshold;
+            metrics::gauge!("custodian_hot_wallet_low", "lane" => lane.clone()).set(if low { 1.0 } else { 0.0 });
+            if low && alerted.insert(lane.clone()) {
+                tracing::error!(chain, lane = %lane, %balance, %threshold, "ALERT: hot wallet below its low-balance threshold; top it up");
+            } else if !low {
+                alerted.remove(&lane);
+            }
+        }
+        tokio::select! {
+            _ = stopped.changed() => {}
+            _ = tokio::time::sleep(HOT_WALLET_GAUGE_INTERVAL) => {}
+        }
     }
     Ok(())
 }

@@ -101,7 +101,7 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     let config = config_file(
         "two",
         &format!(
-            "[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n",
+            "[eth]\nchain_id = 31337\n[metrics]\nlow_balance = {{ a = \"1000000\" }}\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n",
             LANE_KEYS[0], LANE_KEYS[1]
         ),
     );
@@ -118,6 +118,10 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     .await;
     let metrics = http_get(&first.metrics, "/metrics").await;
     assert!(metrics.contains("custodian_withdrawals_total"), "{metrics}");
+    // Hot-wallet gauges: lane a holds far less than its 1,000,000 ETH threshold; b has none set.
+    assert!(metrics.contains("custodian_hot_wallet_low{lane=\"a\"} 1"), "{metrics}");
+    assert!(!metrics.contains("custodian_hot_wallet_low{lane=\"b\"}"), "{metrics}");
+    assert!(metrics.contains("custodian_hot_wallet_balance{chain=\"eth\",lane=\"b\"}"), "{metrics}");
     // Every exported metric carries its HELP text (the catalog the dashboard is checked against).
     for line in metrics.lines().filter(|l| l.starts_with("# TYPE custodian_")) {
         let name = line.split_whitespace().nth(2).unwrap();
