@@ -34,8 +34,11 @@ fn ratio(ours: u64, ceiling: u64) -> String {
 
 fn percentiles(mut samples: Vec<Duration>) -> String {
     samples.sort_unstable();
-    let at = |q: usize| samples[(samples.len() * q / 100).min(samples.len() - 1)].as_secs_f64() * 1000.0;
-    format!("p50 {:.1} / p95 {:.1} / p99 {:.1} ms", at(50), at(95), at(99))
+    let at = |q: usize| {
+        let micros = samples[(samples.len() * q / 100).min(samples.len() - 1)].as_micros();
+        format!("{}.{}", micros / 1000, micros % 1000 / 100)
+    };
+    format!("p50 {} / p95 {} / p99 {} ms", at(50), at(95), at(99))
 }
 
 struct Served {

@@ -197,21 +197,27 @@ fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     fields
 }
 
-async fn existing(
-    tx: &deadpool_postgres::Transaction<'_>,
+/// The earlier withdrawal with the request's external id, if any: returned when it asks for the
+/// same, refused as a conflict when not.
+async fn existing<C: deadpool_postgres::GenericClient>(
+    client: &C,
     request: &Request,
 ) -> Result<Option<Requested>, RequestError> {
-    let row = tx
+    let row = client
         .query_opt(
             "select id from withdrawal where account_id = $1 and external_id = $2",
             &[&request.account_id, &request.external_id],
         )
         .await?;
     let Some(row) = row else { return Ok(None) };
-    let withdrawal = sql::load(tx, row.get(0)).await?.expect("BUG: projection row without events");
+    let withdrawal = sql::load(client, row.get(0)).await?.expect("BUG: projection row without events");
+    compare(withdrawal, request).map(Some)
+}
+
+fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, RequestError> {
     let fields = differing(&withdrawal, request);
     if fields.is_empty() {
-        Ok(Some(Requested { withdrawal, created: false }))
+        Ok(Requested { withdrawal, created: false })
     } else {
         Err(RequestError::Conflict { external_id: request.external_id.clone(), existing: withdrawal.id, fields })
     }
@@ -234,71 +240,109 @@ pub async fn request(client: &mut deadpool_postgres::Object, request: &Request) 
             other => return other,
         }
     }
-    let tx = client.transaction().await?;
-    existing(&tx, request).await?.ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
+    existing(&*client, request).await?.ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
 }
 
+/// Under the account's lock, in one statement: an earlier withdrawal with this external id (one
+/// that committed while this request waited for the lock), the balance, the rolling 24-hour total,
+/// and a fresh withdrawal id. ($1 account, $2 external id, $3 asset.) A statement after the lock,
+/// so its snapshot includes whatever committed before the lock was granted.
+const UNDER_LOCK: &str = "
+select (select id from withdrawal where account_id = $1 and external_id = $2),
+       coalesce((select balance from user_balance where ledger_account = 'user:' || $1::bigint and asset = $3), 0)::text,
+       (select coalesce(sum(amount), 0) from withdrawal
+         where account_id = $1 and asset = $3 and requested_at > now() - interval '24 hours'
+           and state not in ('rejected', 'cancelled', 'failed_onchain')),
+       nextval('withdrawal_id_seq')";
+
+/// The first event of a new stream ($1 id, $2 seq, $3 type, $4 payload).
+const INSERT_EVENT: &str =
+    "insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values ($1, $2, $3, $4)";
+
+/// The hold, as [`sql::post`] writes it for [`Movement::Hold`] ($1 key, $2 withdrawal, $3 payer,
+/// $4 asset, $5 amount): one statement.
+const INSERT_HOLD: &str = "
+with transfer as (
+    insert into ledger_transfer (idempotency_key, kind, reference)
+    values ($1, 'withdrawal_hold', jsonb_build_object('withdrawal_id', $2::bigint))
+    returning id
+)
+insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+select id, $3::text, $4::text, 'debit', $5::numeric(78,0) from transfer
+union all
+select id, 'withdrawal_holds', $4::text, 'credit', $5::numeric(78,0) from transfer";
+
 async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
-    let tx = client.transaction().await?;
-    if let Some(found) = existing(&tx, request).await? {
+    // Before any lock: the idempotent hit, and what does not depend on the balance.
+    if let Some(found) = existing(&*client, request).await? {
         return Ok(found);
     }
     if request.requested_by.trim().is_empty() {
         return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
     }
     let chain = request.destination.chain().as_str();
-    let asset = tx
-        .query_opt(
-            "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2",
-            &[&request.asset, &chain],
-        )
-        .await?
-        .ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset)))?;
+    let destination = request.destination.stored();
+    let asset_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&request.asset, &chain];
+    let ours_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&chain, &destination];
+    let (asset, ours, lanes) = {
+        let c = &*client;
+        futures::try_join!(
+            c.query_opt(
+                "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2",
+                &asset_params,
+            ),
+            // One of our hot wallets; for BTC also any of our own addresses (a deposit address, a
+            // change address): paying it would only move a coin between our keys, at a fee.
+            c.query_opt(
+                "select case when exists (select 1 from hot_wallet where chain = $1 and address = $2)
+                             then 'is one of our hot wallets'
+                             when $1 = 'btc' and (exists (select 1 from wallet_address where chain = 'btc' and address = $2)
+                                                  or exists (select 1 from btc_change_address where chain = 'btc' and address = $2))
+                             then 'is one of our own addresses' end",
+                &ours_params,
+            ),
+            crate::hot_wallet::lanes_on(c, chain),
+        )?
+    };
+    let asset = asset.ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset)))?;
     let approval_limit: Option<U256> = asset.get(0);
     let approvals = u32::try_from(asset.get::<_, i16>(1)).expect("BUG: approvals_required is checked positive");
     let daily_limit: Option<U256> = asset.get(2);
-    let destination = request.destination.stored();
-    if tx
-        .query_opt("select 1 from hot_wallet where chain = $1 and address = $2", &[&chain, &destination])
-        .await?
-        .is_some()
-    {
-        return Err(RequestError::Invalid(format!("{} is one of our hot wallets", request.destination)));
+    if let Some(why) = ours.and_then(|r| r.get::<_, Option<String>>(0)) {
+        return Err(RequestError::Invalid(format!("{} {why}", request.destination)));
     }
-    // BTC: paying one of our own addresses (a deposit address, a change address) would only move
-    // a coin between our keys, at a fee, and credit nobody.
-    if chain == "btc" {
-        let ours = tx
-            .query_opt(
-                "select 1 from wallet_address where chain = 'btc' and address = $1
-                 union all select 1 from btc_change_address where chain = 'btc' and address = $1 limit 1",
-                &[&destination],
-            )
-            .await?;
-        if ours.is_some() {
-            return Err(RequestError::Invalid(format!("{} is one of our own addresses", request.destination)));
-        }
+    // Retired lanes finish what they hold and take nothing new.
+    let lanes: Vec<_> = lanes.into_iter().filter(|l| !l.retired).collect();
+    if lanes.is_empty() {
+        return Err(RequestError::NoHotWallet(chain));
     }
-    // The account row lock serialises requests of one account: the balance read below cannot be
-    // spent twice by concurrent requests.
-    if tx.query_opt("select 1 from account where id = $1 for update", &[&request.account_id]).await?.is_none() {
+    // Prepared once per connection: none costs a round trip after the first request.
+    let (lock, under_lock, insert_event, projection, hold) = {
+        let c = &*client;
+        futures::try_join!(
+            c.prepare_cached("select 1 from account where id = $1 for update"),
+            c.prepare_cached(UNDER_LOCK),
+            c.prepare_cached(INSERT_EVENT),
+            c.prepare_cached(sql::UPSERT),
+            c.prepare_cached(INSERT_HOLD),
+        )?
+    };
+    let tx = client.transaction().await?;
+    // The account row lock serialises requests of one account: the balance read next cannot be
+    // spent twice by concurrent requests. From here to COMMIT: four round trips (the lock, one
+    // read, the writes together, COMMIT).
+    if tx.query_opt(&lock, &[&request.account_id]).await?.is_none() {
         return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
     }
-    // A duplicate that waited for the lock while the first request committed finds it now, instead
-    // of reading the balance that request already spent.
-    if let Some(found) = existing(&tx, request).await? {
-        return Ok(found);
+    let read = tx.query_one(&under_lock, &[&request.account_id, &request.external_id, &request.asset]).await?;
+    let (earlier, available, past_day, id): (Option<i64>, String, U256, i64) =
+        (read.get(0), read.get(1), read.get(2), read.get(3));
+    // A duplicate that waited for the lock while the first request committed finds it now,
+    // instead of reading the balance that request already spent.
+    if let Some(earlier) = earlier {
+        let withdrawal = sql::load(&tx, earlier).await?.expect("BUG: projection row without events");
+        return compare(withdrawal, request);
     }
-    // One row, kept by the ledger in the same transaction as the postings it sums: not
-    // proportional to the account's history (V29's user_balance).
-    let available: String = tx
-        .query_one(
-            "select coalesce((select balance from user_balance
-                               where ledger_account = 'user:' || $1::bigint and asset = $2), 0)::text",
-            &[&request.account_id, &request.asset],
-        )
-        .await?
-        .get(0);
     let enough = !available.starts_with('-')
         && available.parse::<Amount>().expect("BUG: the database returned a non-integer balance") >= request.amount;
     if !enough {
@@ -308,17 +352,6 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
             available,
         });
     }
-    // The rolling 24-hour total of this account's withdrawals of the asset, read under the
-    // account lock like the balance: concurrent requests cannot both slip under it.
-    let past_day: U256 = tx
-        .query_one(
-            "select coalesce(sum(amount), 0) from withdrawal
-              where account_id = $1 and asset = $2 and requested_at > now() - interval '24 hours'
-                and state not in ('rejected', 'cancelled', 'failed_onchain')",
-            &[&request.account_id, &request.asset],
-        )
-        .await?
-        .get(0);
     let waits = match (approval_limit, daily_limit) {
         (Some(limit), _) if request.amount.units() > limit => Some((limit, "approval_limit")),
         (_, Some(daily)) if past_day.checked_add(request.amount.units()).is_none_or(|total| total > daily) => {
@@ -326,42 +359,59 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
         }
         _ => None,
     };
-    // Retired lanes finish what they hold and take nothing new.
-    let lanes: Vec<_> = crate::hot_wallet::lanes_on(&tx, chain).await?.into_iter().filter(|l| !l.retired).collect();
-    if lanes.is_empty() {
-        return Err(RequestError::NoHotWallet(chain));
-    }
-    let id: i64 = tx.query_one("select nextval('withdrawal_id_seq')", &[]).await?.get(0);
     let lane = &lanes[lane_index(id, lanes.len())];
     if let Some(reason) = &lane.pause_reason {
         return Err(RequestError::LanePaused { lane: lane.lane.clone(), reason: reason.clone() });
     }
-    let mut withdrawal = sql::start(
-        &tx,
-        id,
-        WithdrawalEvent::Requested {
-            account_id: request.account_id,
-            external_id: request.external_id.clone(),
-            asset: request.asset.clone(),
-            destination,
-            amount: request.amount,
-            lane: lane.lane.clone(),
-            requested_by: request.requested_by.trim().to_owned(),
-            treasury: false,
-        },
-    )
-    .await?;
-    sql::post(&tx, &withdrawal, Movement::Hold, Amount::ZERO).await?;
-    if let Some((limit, reason)) = waits {
-        let event = WithdrawalEvent::AwaitingApproval {
-            limit: Amount::from_units(limit),
-            approvals,
-            reason: reason.to_owned(),
-        };
-        sql::append(&tx, &mut withdrawal, event).await?;
+    let requested = WithdrawalEvent::Requested {
+        account_id: request.account_id,
+        external_id: request.external_id.clone(),
+        asset: request.asset.clone(),
+        destination,
+        amount: request.amount,
+        lane: lane.lane.clone(),
+        requested_by: request.requested_by.trim().to_owned(),
+        treasury: false,
+    };
+    let mut withdrawal = Withdrawal::start(id, &requested).expect("BUG: a stream starts with requested");
+    let awaiting = waits.map(|(limit, reason)| WithdrawalEvent::AwaitingApproval {
+        limit: Amount::from_units(limit),
+        approvals,
+        reason: reason.to_owned(),
+    });
+    if let Some(event) = &awaiting {
+        withdrawal.apply(event);
     }
+    // Third round trip: the events, the projection (its state after them) and the hold, together.
+    let (first_payload, key, payer) =
+        (requested.payload(), format!("withdrawal:{id}:hold"), format!("user:{}", request.account_id));
+    let awaiting_payload = awaiting.as_ref().map(WithdrawalEvent::payload);
+    let projected = sql::projection_params(&withdrawal);
+    let projected = projected.refs();
+    let amount = request.amount.units();
+    let (one, two) = (1i32, 2i32);
+    let requested_type = "requested";
+    let first_params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&id, &one, &requested_type, &first_payload];
+    let hold_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&key, &id, &payer, &request.asset, &amount];
+    let writes = async {
+        futures::try_join!(
+            tx.execute(&insert_event, &first_params),
+            async {
+                match &awaiting_payload {
+                    Some(payload) => tx.execute(&insert_event, &[&id, &two, &"awaiting_approval", payload]).await,
+                    None => Ok(0),
+                }
+            },
+            tx.execute(&projection, &projected),
+            tx.execute(&hold, &hold_params),
+        )
+    };
+    writes.await?;
     tx.commit().await?;
-    metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
+    metrics::counter!("custodian_withdrawals_total", "state" => "requested").increment(1);
+    if awaiting.is_some() {
+        metrics::counter!("custodian_withdrawals_total", "state" => "awaiting_approval").increment(1);
+    }
     debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
     Ok(Requested { withdrawal, created: true })
 }

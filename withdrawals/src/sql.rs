@@ -43,7 +43,8 @@ pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Res
     Ok(w)
 }
 
-const UPSERT: &str = "
+/// The projection row's upsert ($1..$15 as [`projection_params`] orders them).
+pub(crate) const UPSERT: &str = "
 insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, from_address,
                         nonce, tx_hash, mined_block_hash, last_seq, requested_by, stuck_at_cap)
 values ($1, $2, $3, case $4 when 'BTC' then 'btc' else 'eth' end, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, nullif($14, ''), $15)
@@ -51,30 +52,72 @@ on conflict (id) do update set state = excluded.state, from_address = excluded.f
     tx_hash = excluded.tx_hash, mined_block_hash = excluded.mined_block_hash, last_seq = excluded.last_seq,
     stuck_at_cap = excluded.stuck_at_cap, updated_at = now()";
 
+/// [`UPSERT`]'s parameters for `w`, owned so a caller can pipeline the statement.
+pub(crate) struct ProjectionParams {
+    id: i64,
+    account_id: i64,
+    external_id: String,
+    asset: String,
+    destination: String,
+    amount: U256,
+    state: &'static str,
+    lane: String,
+    from_address: Option<String>,
+    nonce: Option<i64>,
+    tx_hash: Option<String>,
+    mined_block_hash: Option<String>,
+    last_seq: i32,
+    requested_by: String,
+    stuck_at_cap: bool,
+}
+
+impl ProjectionParams {
+    /// In [`UPSERT`]'s order.
+    pub(crate) fn refs(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 15] {
+        [
+            &self.id,
+            &self.account_id,
+            &self.external_id,
+            &self.asset,
+            &self.destination,
+            &self.amount,
+            &self.state,
+            &self.lane,
+            &self.from_address,
+            &self.nonce,
+            &self.tx_hash,
+            &self.mined_block_hash,
+            &self.last_seq,
+            &self.requested_by,
+            &self.stuck_at_cap,
+        ]
+    }
+}
+
+/// The projection row of `w`, a fold of its stream.
+pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
+    ProjectionParams {
+        id: w.id,
+        account_id: w.account_id,
+        external_id: w.external_id.clone(),
+        asset: w.asset.clone(),
+        destination: w.destination.clone(),
+        amount: w.amount.units(),
+        state: w.state.as_str(),
+        lane: w.lane.clone(),
+        from_address: w.from_address.clone(),
+        nonce: w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64")),
+        tx_hash: w.tx_hash.clone(),
+        mined_block_hash: w.mined_block_hash.clone(),
+        last_seq: w.last_seq,
+        requested_by: w.requested_by.clone(),
+        stuck_at_cap: w.stuck_at_cap,
+    }
+}
+
 /// Writes `w`, a fold of its stream, as the projection row.
 pub async fn write_projection(tx: &Transaction<'_>, w: &Withdrawal) -> Result<(), tokio_postgres::Error> {
-    let nonce = w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"));
-    tx.execute(
-        UPSERT,
-        &[
-            &w.id,
-            &w.account_id,
-            &w.external_id,
-            &w.asset,
-            &w.destination,
-            &w.amount.units(),
-            &w.state.as_str(),
-            &w.lane,
-            &w.from_address,
-            &nonce,
-            &w.tx_hash,
-            &w.mined_block_hash,
-            &w.last_seq,
-            &w.requested_by,
-            &w.stuck_at_cap,
-        ],
-    )
-    .await?;
+    tx.execute(UPSERT, &projection_params(w).refs()).await?;
     Ok(())
 }
 
