@@ -1,5 +1,6 @@
 //! Command-line arguments. Every command that prints data takes `--json`.
 
+use clap::builder::TypedValueParser as _;
 use clap::{Args, Parser, Subcommand};
 use custodian_domain::Chain;
 
@@ -55,7 +56,8 @@ pub struct GlobalArgs {
     #[arg(long = "btc-rpc-cookie", global = true, env = "CUSTODIAN_BTC_RPC_COOKIE")]
     pub btc_rpc_cookie: Option<std::path::PathBuf>,
     /// Bitcoin network addresses are checked against: mainnet, testnet, signet or regtest.
-    #[arg(long = "btc-network", global = true, env = "CUSTODIAN_BTC_NETWORK")]
+    #[arg(long = "btc-network", global = true, env = "CUSTODIAN_BTC_NETWORK",
+          value_parser = btc_network_arg())]
     pub btc_network: Option<String>,
     /// Blocks of history a reorg may reach and raw payloads are kept for.
     #[arg(long = "retention-blocks", global = true, env = "CUSTODIAN_RETENTION_BLOCKS")]
@@ -88,7 +90,7 @@ pub enum Command {
     /// Scan a chain for deposits (to the node's tip with --once, else until stopped).
     Scan {
         /// eth or btc.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// Scan to the node's current tip, then exit.
         #[arg(long)]
@@ -100,7 +102,7 @@ pub enum Command {
     /// Move the scan cursor back so the next scan re-reads from a height (nothing is deleted).
     Rewind {
         /// eth or btc.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// The height the next scan starts at.
         #[arg(long)]
@@ -109,7 +111,7 @@ pub enum Command {
     /// Re-derive deposit observations from retained raw blocks, without the node.
     Reparse {
         /// eth or btc.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// First height to re-parse.
         #[arg(long)]
@@ -184,7 +186,7 @@ pub enum Command {
         #[arg(long)]
         id: Option<i64>,
         /// Only this state.
-        #[arg(long)]
+        #[arg(long, value_parser = STATES)]
         state: Option<String>,
     },
     /// Cancel a withdrawal (a replacement transaction once signed).
@@ -231,7 +233,7 @@ pub enum PolicyCommand {
     /// Set the confirmations required from an amount up (replaces the tier at that amount).
     Set {
         /// eth or btc.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// Asset symbol or key (ETH, BTC, a token symbol, eth:0x…).
         #[arg(long)]
@@ -272,7 +274,7 @@ pub enum HotWalletCommand {
     /// Register a hot wallet from its key file (readable by its owner only).
     Add {
         /// Only eth.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// File holding the hex private key.
         #[arg(long)]
@@ -308,7 +310,7 @@ pub enum HotWalletCommand {
     /// allocator (the fee to network_fees; the arrival is credited back to treasury).
     Rebalance {
         /// Only eth.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// The lane paying.
         #[arg(long)]
@@ -425,7 +427,7 @@ pub enum AddressCommand {
         #[arg(long)]
         account: String,
         /// eth or btc.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// The address (EIP-55 or lowercase for ETH; on the configured network for BTC).
         #[arg(long)]
@@ -436,6 +438,38 @@ pub enum AddressCommand {
         #[arg(long)]
         from_height: Option<u64>,
     },
+}
+
+/// Every withdrawal state, as `--state` takes it.
+const STATES: [&str; 11] = [
+    "requested",
+    "awaiting_approval",
+    "rejected",
+    "signed",
+    "broadcast",
+    "mined",
+    "confirmed",
+    "failed_onchain",
+    "cancel_requested",
+    "cancelled",
+    "needs_review",
+];
+
+/// `--btc-network`: the four networks, listed by `--help` (with the aliases the domain accepts).
+fn btc_network_arg() -> clap::builder::PossibleValuesParser {
+    use clap::builder::PossibleValue;
+    clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("mainnet").aliases(["bitcoin", "main"]),
+        PossibleValue::new("testnet").alias("test"),
+        PossibleValue::new("signet"),
+        PossibleValue::new("regtest"),
+    ])
+}
+
+/// `--chain`: the chains' names, listed by `--help`, parsed into the domain's [`Chain`].
+fn chain_arg() -> impl clap::builder::TypedValueParser<Value = Chain> {
+    clap::builder::PossibleValuesParser::new(["eth", "btc"])
+        .map(|name| name.parse::<Chain>().expect("BUG: the possible values are chains"))
 }
 
 #[derive(Debug, Subcommand)]
@@ -486,7 +520,7 @@ pub enum TokenCommand {
     /// Register an ERC-20 contract so its transfers to watched addresses count as deposits.
     Add {
         /// Only eth has tokens.
-        #[arg(long)]
+        #[arg(long, value_parser = chain_arg())]
         chain: Chain,
         /// The token contract.
         #[arg(long)]

@@ -21,6 +21,7 @@ fn main() -> std::process::ExitCode {
     // with ring.
     custodian_store::tls::install_crypto_provider();
     let cli = cli::Cli::parse();
+    let json = cli.global.json;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CUSTODIAN_LOG")
@@ -40,6 +41,18 @@ fn main() -> std::process::ExitCode {
         Err(error) => {
             let exit = exit::classify(&error);
             eprintln!("error: {error:#}");
+            if json {
+                // Machine-readable too: the message and the exit code on stdout.
+                let kind = match exit {
+                    exit::Exit::Usage => "usage",
+                    exit::Exit::Verification => "verification",
+                    _ => "operational",
+                };
+                println!(
+                    "{}",
+                    serde_json::json!({ "error": format!("{error:#}"), "kind": kind, "exit_code": exit as u8 })
+                );
+            }
             exit.into()
         }
     }

@@ -787,3 +787,51 @@ async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
     assert_eq!((pass.json()["btc"]["mined"].as_u64(), pass.json()["btc"]["confirmed"].as_u64()), (Some(1), Some(1)));
     assert_eq!(p.load(w.id).await.state, WithdrawalState::Confirmed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_request_withdrawal_takes_btc_and_refuses_what_the_cli_refuses() {
+    use custodian_api::pb::request_withdrawal_request::Amount as WireAmount;
+    use custodian_api::pb::withdrawals_client::WithdrawalsClient;
+    use custodian_api::pb::RequestWithdrawalRequest;
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let token = crate::harness::token(&p.db, "wallet-app", &custodian_api::tokens::Scope::ALL).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let config = custodian_api::ApiConfig::with_defaults(HashMap::new(), BtcNetwork::Regtest);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(custodian_api::serve(listener, p.db.pool.clone(), config, async move {
+        let _ = stopped.await;
+    }));
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{address}")).unwrap().connect().await.unwrap();
+    let mut client = WithdrawalsClient::new(channel);
+    let ask = |external_id: &str, destination: String, amount: WireAmount| {
+        let mut request = tonic::Request::new(RequestWithdrawalRequest {
+            account_id: p.alice,
+            external_id: external_id.to_owned(),
+            asset: "BTC".into(),
+            destination,
+            amount: Some(amount),
+        });
+        request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        request
+    };
+    let to = p.sim.address(AddrKind::P2tr, 4).to_string();
+    let made =
+        client.request_withdrawal(ask("g1", to.clone(), WireAmount::AmountDecimal("0.01".into()))).await.unwrap();
+    let w = made.into_inner().withdrawal.unwrap();
+    assert_eq!((w.asset.as_str(), w.destination.as_str(), w.amount.as_str()), ("BTC", to.as_str(), "1000000"));
+    for (destination, amount, why) in [
+        ("bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq".to_owned(), WireAmount::AmountDecimal("0.01".into()), "regtest"),
+        (p.sim.address(AddrKind::P2wpkh, 4).to_string(), WireAmount::AmountUnits("293".into()), "dust limit"),
+        (p.sim.address(AddrKind::P2wpkh, 4).to_string(), WireAmount::AmountDecimal("0.000000001".into()), "decimals"),
+        (p.funding[0].to_string(), WireAmount::AmountDecimal("0.01".into()), "hot wallets"),
+    ] {
+        let refused = client.request_withdrawal(ask("g2", destination, amount)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains(why), "{}", refused.message());
+    }
+    assert_eq!(p.value("select count(*)::text from withdrawal").await, "1", "nothing written by the refusals");
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

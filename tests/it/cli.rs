@@ -57,6 +57,22 @@ fn an_unreachable_database_is_an_operational_error() {
 }
 
 #[test]
+fn under_json_an_error_is_json_too() {
+    let run = custodian("not a url at all", &["balances", "--json"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert_eq!((run.json()["kind"].as_str(), run.json()["exit_code"].as_u64()), (Some("usage"), Some(2)));
+    assert!(run.json()["error"].as_str().unwrap().contains("CUSTODIAN_DATABASE_URL"), "{}", run.stdout);
+    let run = custodian("postgres://custodian_app@127.0.0.1:1/custodian", &["balances", "--json"]);
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert_eq!((run.json()["kind"].as_str(), run.json()["exit_code"].as_u64()), (Some("operational"), Some(1)));
+    assert!(run.stderr.contains("could not connect"), "the person reading stderr sees it as before");
+    // Value enums are listed and checked by the parser.
+    let run = custodian("postgres://custodian_app@127.0.0.1:1/custodian", &["withdrawals", "--state", "lost"]);
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("possible values: requested"), "{}", run.stderr);
+}
+
+#[test]
 fn usage_errors_exit_with_2() {
     let run = custodian("postgres://postgres@127.0.0.1:5432/custodian", &["no-such-command"]);
     assert_eq!(run.code, 2, "{}", run.stderr);

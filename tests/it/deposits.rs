@@ -83,7 +83,7 @@ async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
     let before = table_counts(&db).await;
 
     let cases: &[(&[&str], &str)] = &[
-        (&["scan", "--chain", "sol", "--once"], "unknown chain"),
+        (&["scan", "--chain", "sol", "--once"], "possible values: eth, btc"),
         (&["rewind", "--chain", "eth", "--to-height", "-1"], "unexpected argument"),
         (&["rewind", "--chain", "eth", "--to-height", "5"], "never been scanned"),
         (
