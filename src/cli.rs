@@ -84,7 +84,10 @@ pub enum Command {
     /// Manage deposit addresses.
     #[command(subcommand)]
     Address(AddressCommand),
-    /// Register ERC-20 tokens.
+    /// Assets the ledger counts: register an ERC-20 token.
+    #[command(subcommand)]
+    Asset(AssetCommand),
+    /// API bearer tokens: create and revoke.
     #[command(subcommand)]
     Token(TokenCommand),
     /// Scan a chain for deposits (to the node's tip with --once, else until stopped).
@@ -501,6 +504,25 @@ pub enum ExportFormat {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum AssetCommand {
+    /// Register an ERC-20 contract so its transfers to watched addresses count as deposits.
+    Add {
+        /// Only eth has tokens.
+        #[arg(long, value_parser = chain_arg())]
+        chain: Chain,
+        /// The token contract.
+        #[arg(long)]
+        contract: String,
+        /// Its symbol, unique per chain.
+        #[arg(long)]
+        symbol: String,
+        /// Its decimals.
+        #[arg(long)]
+        decimals: u8,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum TokenCommand {
     /// Create an API bearer token; it is printed once and stored only hashed.
     Create {
@@ -516,20 +538,5 @@ pub enum TokenCommand {
         /// The token's name.
         #[arg(long)]
         name: String,
-    },
-    /// Register an ERC-20 contract so its transfers to watched addresses count as deposits.
-    Add {
-        /// Only eth has tokens.
-        #[arg(long, value_parser = chain_arg())]
-        chain: Chain,
-        /// The token contract.
-        #[arg(long)]
-        contract: String,
-        /// Its symbol, unique per chain.
-        #[arg(long)]
-        symbol: String,
-        /// Its decimals.
-        #[arg(long)]
-        decimals: u8,
     },
 }

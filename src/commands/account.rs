@@ -1,4 +1,4 @@
-//! `custodian account create`, `address assign`, `token add`.
+//! `custodian account create`, `address assign`, `asset add`.
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::{self, Scope};
@@ -130,7 +130,7 @@ pub async fn add_token(settings: &Settings, chain: Chain, contract: &str, symbol
     }
     let pool = super::pool(settings).await?;
     let mut client = pool.get().await.context("taking a database connection")?;
-    let by = super::principal(settings, &client, Scope::Admin, "token add").await?;
+    let by = super::principal(settings, &client, Scope::Admin, "asset add").await?;
     let tx = client.transaction().await?;
     let (asset, created) = ownership::add_token(&tx, &contract, symbol, decimals).await.map_err(classify)?;
     if created {

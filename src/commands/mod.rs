@@ -16,8 +16,8 @@ mod withdraw;
 use anyhow::{Context, Result};
 
 use crate::cli::{
-    AccountCommand, AddressCommand, Cli, Command, ExportCommand, HotWalletCommand, PolicyCommand, ReversalsCommand,
-    TokenCommand, WithdrawalsCommand,
+    AccountCommand, AddressCommand, AssetCommand, Cli, Command, ExportCommand, HotWalletCommand, PolicyCommand,
+    ReversalsCommand, TokenCommand, WithdrawalsCommand,
 };
 use crate::exit::Exit;
 use crate::settings::Settings;
@@ -32,7 +32,7 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Address(AddressCommand::Assign { account, chain, address, from_height }) => {
             account::assign(&settings, &account, chain, &address, from_height).await
         }
-        Command::Token(TokenCommand::Add { chain, contract, symbol, decimals }) => {
+        Command::Asset(AssetCommand::Add { chain, contract, symbol, decimals }) => {
             account::add_token(&settings, chain, &contract, &symbol, decimals).await
         }
         Command::Scan { chain, once, from_height } => scan::scan(&settings, chain, once, from_height).await,

@@ -17,7 +17,6 @@ use custodian_ingest::btc::BtcReader;
 use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner, ScannerState, StateHandle};
 use custodian_store::Pool;
 use custodian_withdrawals::{hot_wallet, EthNode, Worker};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::scan::PostAfterStep;
@@ -431,39 +430,46 @@ async fn health(
     parts: Arc<Parts>,
     mut stopped: watch::Receiver<bool>,
 ) -> Result<()> {
-    loop {
-        let (mut socket, _) = tokio::select! {
-            accepted = listener.accept() => accepted?,
-            _ = stopped.wait_for(|stop| *stop) => return Ok(()),
-        };
-        let (pool, recorder, parts) = (pool.clone(), recorder.clone(), parts.clone());
-        tokio::spawn(async move {
-            let mut buffer = [0u8; 1024];
-            let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buffer)).await;
-            let Ok(Ok(n)) = read else { return };
-            let request = String::from_utf8_lossy(&buffer[..n]);
-            let path = request.split_whitespace().nth(1).unwrap_or("/");
+    use axum::http::{header, HeaderValue, StatusCode};
+    use axum::response::IntoResponse;
+    const TEXT: &str = "text/plain; version=0.0.4";
+    let metrics = axum::routing::get(move || {
+        let recorder = recorder.clone();
+        async move { ([(header::CONTENT_TYPE, TEXT)], recorder.render()) }
+    });
+    let healthz = axum::routing::get(move || {
+        let (pool, parts) = (pool.clone(), parts.clone());
+        async move {
             let (down, scanner_lines) = parts.report();
             let scanner_lines: String = scanner_lines.iter().map(|l| format!("{l}\n")).collect();
-            let (status, body) = match path {
-                "/metrics" => ("200 OK", recorder.render()),
-                "/healthz" if !down.is_empty() => {
-                    ("503 Service Unavailable", format!("stopped: {}\n{scanner_lines}", down.join("\n")))
-                }
-                "/healthz" => match pool.get().await {
+            let (status, body) = if !down.is_empty() {
+                (StatusCode::SERVICE_UNAVAILABLE, format!("stopped: {}\n{scanner_lines}", down.join("\n")))
+            } else {
+                match pool.get().await {
                     Ok(client) if client.query_one("select 1", &[]).await.is_ok() => {
                         let notes: String = parts.warnings.iter().map(|w| format!("warning: {w}\n")).collect();
-                        ("200 OK", format!("ok\n{scanner_lines}{notes}"))
+                        (StatusCode::OK, format!("ok\n{scanner_lines}{notes}"))
                     }
-                    _ => ("503 Service Unavailable", format!("database unreachable\n{scanner_lines}")),
-                },
-                _ => ("404 Not Found", "not found\n".to_owned()),
+                    _ => (StatusCode::SERVICE_UNAVAILABLE, format!("database unreachable\n{scanner_lines}")),
+                }
             };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = socket.write_all(response.as_bytes()).await;
-        });
-    }
+            (status, [(header::CONTENT_TYPE, TEXT)], body)
+        }
+    });
+    let router = axum::Router::new()
+        .route("/metrics", metrics)
+        .route("/healthz", healthz)
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n").into_response() })
+        // One request per connection, as probes and scrapers make them.
+        .layer(axum::middleware::map_response(|mut response: axum::response::Response| async move {
+            response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            response
+        }));
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })
+        .await
+        .context("serving /metrics and /healthz")?;
+    Ok(())
 }

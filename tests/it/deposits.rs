@@ -75,7 +75,7 @@ async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
         crate::harness::custodian_as(
             url,
             &operator,
-            &["token", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "6"]
+            &["asset", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "6"]
         )
         .code,
         0
@@ -121,11 +121,11 @@ async fn bad_input_is_refused_with_exit_2_and_writes_nothing() {
         ),
         (&["deposits", "--account", "nobody"], "unknown account"),
         (
-            &["token", "add", "--chain", "btc", "--contract", ALICE_ADDRESS, "--symbol", "X", "--decimals", "6"],
+            &["asset", "add", "--chain", "btc", "--contract", ALICE_ADDRESS, "--symbol", "X", "--decimals", "6"],
             "only on eth",
         ),
         (
-            &["token", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "8"],
+            &["asset", "add", "--chain", "eth", "--contract", ALICE_ADDRESS, "--symbol", "TT", "--decimals", "8"],
             "already registered",
         ),
         (&["reparse", "--chain", "eth", "--from-height", "0"], "holds no block"),
