@@ -1,136 +1,53 @@
 //! Times on the wire: RFC 3339 strings, printed in UTC with microseconds (PostgreSQL's
-//! precision), parsed strictly. Integer calendar arithmetic (days from the civil date and back),
-//! so no date crate is needed.
+//! precision), parsed strictly with the `time` crate; PostgreSQL's own form of a `timestamptz`
+//! (a space for the `T`, an offset of hours alone) is read too.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
-const SECONDS_PER_DAY: i64 = 86_400;
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's `days_from_civil`).
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let year_of_era = year - era * 400;
-    let day_of_year = (153 * (month + if month > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    era * 146_097 + day_of_era - 719_468
-}
-
-/// The date of a day count since 1970-01-01 (H. Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z - era * 146_097;
-    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let mp = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-fn days_in_month(year: i64, month: i64) -> i64 {
-    match month {
-        2 if (year % 4 == 0 && year % 100 != 0) || year % 400 == 0 => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
-    }
-}
+use time::format_description::well_known::Rfc3339;
+use time::macros::format_description;
+use time::{OffsetDateTime, UtcOffset};
 
 /// Prints `time` as `YYYY-MM-DDTHH:MM:SS.ffffffZ`.
 pub(crate) fn format(time: SystemTime) -> String {
-    let (seconds, micros) = match time.duration_since(UNIX_EPOCH) {
-        Ok(after) => (i64::try_from(after.as_secs()).unwrap_or(i64::MAX), i64::from(after.subsec_micros())),
-        Err(before) => {
-            let before = before.duration();
-            let whole = i64::try_from(before.as_secs()).unwrap_or(i64::MAX);
-            match i64::from(before.subsec_micros()) {
-                0 => (-whole, 0),
-                micros => (-whole - 1, 1_000_000 - micros),
-            }
-        }
-    };
-    let (year, month, day) = civil_from_days(seconds.div_euclid(SECONDS_PER_DAY));
-    let of_day = seconds.rem_euclid(SECONDS_PER_DAY);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micros:06}Z",
-        of_day / 3600,
-        of_day % 3600 / 60,
-        of_day % 60
-    )
+    let utc = OffsetDateTime::from(time).to_offset(UtcOffset::UTC);
+    utc.format(format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z"))
+        .expect("BUG: a UTC time between years 0 and 9999 always formats")
 }
 
 /// Parses an RFC 3339 time (`2025-03-01T12:00:00Z`, `2025-03-01T13:30:00.5+01:30`). Also accepts
 /// a space for the `T` and an offset of hours alone (`+01`), which is how PostgreSQL prints a
-/// `timestamptz`. `None` for anything else, including impossible dates.
+/// `timestamptz`. `None` for anything else, including impossible dates and leap seconds.
 pub(crate) fn parse(input: &str) -> Option<SystemTime> {
-    let s = input.as_bytes();
-    let digits = |range: std::ops::Range<usize>| -> Option<i64> {
-        let part = s.get(range)?;
-        part.iter().all(u8::is_ascii_digit).then(|| part.iter().fold(0, |n, d| n * 10 + i64::from(d - b'0')))
-    };
-    let at = |i: usize, expected: &[u8]| s.get(i).is_some_and(|c| expected.contains(c));
-    if !(at(4, b"-") && at(7, b"-") && at(10, b"Tt ") && at(13, b":") && at(16, b":")) {
-        return None;
+    let mut text = input.to_owned();
+    if text.as_bytes().get(10) == Some(&b' ') {
+        text.replace_range(10..11, "T");
     }
-    let (year, month, day) = (digits(0..4)?, digits(5..7)?, digits(8..10)?);
-    let (hour, minute, second) = (digits(11..13)?, digits(14..16)?, digits(17..19)?);
-    if !(1..=12).contains(&month) || !(1..=days_in_month(year, month)).contains(&day) {
-        return None;
-    }
-    if hour > 23 || minute > 59 || second > 59 {
-        return None;
-    }
-    let mut i = 19;
-    let mut nanos = 0i64;
-    if at(i, b".") {
-        let start = i + 1;
-        let end = start + s[start..].iter().take_while(|c| c.is_ascii_digit()).count();
-        if end == start || end - start > 9 {
-            return None;
+    // PostgreSQL's `+01`: an offset of hours alone becomes `+01:00`.
+    let bytes = text.as_bytes();
+    if bytes.len() >= 3 {
+        let tail = &bytes[bytes.len() - 3..];
+        if matches!(tail[0], b'+' | b'-') && tail[1].is_ascii_digit() && tail[2].is_ascii_digit() && bytes.len() > 19 {
+            text.push_str(":00");
         }
-        let fraction = digits(start..end)?;
-        let scale = 10i64.pow(u32::try_from(9 - (end - start)).ok()?);
-        nanos = fraction * scale;
-        i = end;
     }
-    let offset_seconds = match s.get(i..)? {
-        b"Z" | b"z" => 0,
-        [sign @ (b'+' | b'-'), rest @ ..] => {
-            let hours = digits(i + 1..i + 3)?;
-            let minutes = match rest.len() {
-                2 => 0,
-                5 if rest[2] == b':' => digits(i + 4..i + 6)?,
-                _ => return None,
-            };
-            if hours > 23 || minutes > 59 {
-                return None;
-            }
-            let offset = hours * 3600 + minutes * 60;
-            if *sign == b'-' {
-                -offset
-            } else {
-                offset
-            }
-        }
-        _ => return None,
-    };
-    let seconds =
-        days_from_civil(year, month, day) * SECONDS_PER_DAY + hour * 3600 + minute * 60 + second - offset_seconds;
-    let nanos = u32::try_from(nanos).ok()?;
-    if seconds >= 0 {
-        Some(UNIX_EPOCH + Duration::new(u64::try_from(seconds).ok()?, nanos))
-    } else {
-        let before = Duration::from_secs(seconds.unsigned_abs());
-        Some(UNIX_EPOCH - before + Duration::from_nanos(u64::from(nanos)))
+    let parsed = OffsetDateTime::parse(&text, &Rfc3339).ok()?;
+    // Rfc3339 admits a leap second (`:60`) and digits beyond nanoseconds; a timestamp here has
+    // neither.
+    let fraction = text
+        .get(19..)
+        .filter(|rest| rest.starts_with('.'))
+        .map_or(0, |rest| rest[1..].bytes().take_while(u8::is_ascii_digit).count());
+    if text.get(17..19) == Some("60") || fraction > 9 {
+        return None;
     }
+    Some(parsed.into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
 
     fn at(seconds: u64, micros: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(seconds) + Duration::from_micros(micros)
