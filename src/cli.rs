@@ -191,6 +191,12 @@ pub enum Command {
         /// Only this state.
         #[arg(long, value_parser = STATES)]
         state: Option<String>,
+        /// Only withdrawals with a larger id (the next page: the last id of the one before).
+        #[arg(long)]
+        after: Option<i64>,
+        /// At most this many (1 to 10,000).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
     },
     /// Cancel a withdrawal (a replacement transaction once signed).
     Cancel {

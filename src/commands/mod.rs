@@ -88,7 +88,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
             action: Some(WithdrawalsCommand::Resolve { id, paid_by, not_paid: _, confirmations }),
             ..
         } => withdraw::resolve(&settings, id, paid_by.as_deref(), confirmations).await,
-        Command::Withdrawals { action: None, id, state } => withdraw::list(&settings, id, state.as_deref()).await,
+        Command::Withdrawals { action: None, id, state, after, limit } => {
+            withdraw::list(&settings, id, state.as_deref(), after, limit).await
+        }
         Command::Cancel { id } => withdraw::cancel(&settings, id).await,
         Command::Work { once, worker } => {
             let interval = std::time::Duration::from_millis(worker.interval_ms);

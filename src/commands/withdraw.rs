@@ -460,7 +460,16 @@ pub async fn cancel(settings: &Settings, id: i64) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> Result<Exit> {
+/// The withdrawals, oldest first, a page at a time: a full page says on stderr where the next one
+/// starts (`--after`), so nothing is cut off silently. Each with its attempts (ETH's signed
+/// payloads, or the BTC transactions of its spend).
+pub async fn list(
+    settings: &Settings,
+    id: Option<i64>,
+    state: Option<&str>,
+    after: Option<i64>,
+    limit: i64,
+) -> Result<Exit> {
     if let Some(state) = state {
         state.parse::<custodian_domain::withdrawal::WithdrawalState>().map_err(invalid)?;
     }
@@ -468,14 +477,41 @@ pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> 
     let client = pool.get().await?;
     let rows = client
         .query(
-            "select id from withdrawal where ($1::bigint is null or id = $1) and ($2::text is null or state = $2) order by id limit 1000",
-            &[&id, &state],
+            "select id from withdrawal where ($1::bigint is null or id = $1) and ($2::text is null or state = $2)
+                and ($3::bigint is null or id > $3) order by id limit $4",
+            &[&id, &state, &after, &limit],
         )
         .await?;
+    let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) == limit;
+    let last = rows.last().map(|r| r.get::<_, i64>(0));
     let mut out = Vec::new();
     for row in rows {
         let id: i64 = row.get(0);
         let w = sql::load(&client, id).await?.expect("BUG: projection row without events");
+        if w.asset == "BTC" {
+            let attempts: Vec<_> = client
+                .query(
+                    "select a.tx_hash, a.kind, a.fee::text, a.vsize from btc_attempt a
+                       join btc_spend_payout p on p.spend_id = a.spend_id
+                      where p.withdrawal_id = $1 order by a.created_at, a.tx_hash",
+                    &[&id],
+                )
+                .await?
+                .iter()
+                .map(|a| {
+                    let kind: String = a.get(1);
+                    json!({
+                        "tx_hash": a.get::<_, String>(0),
+                        "intent": if kind == "cancel" { "cancel" } else { "payout" },
+                        "kind": kind,
+                        "fee_sat": a.get::<_, String>(2),
+                        "vsize": a.get::<_, i32>(3),
+                    })
+                })
+                .collect();
+            out.push(json!({ "withdrawal": w, "attempts": attempts }));
+            continue;
+        }
         let attempts: Vec<_> = sql::attempts(&client, id)
             .await?
             .into_iter()
@@ -492,6 +528,9 @@ pub async fn list(settings: &Settings, id: Option<i64>, state: Option<&str>) -> 
     }
     if id.is_some() && out.is_empty() {
         return Err(invalid(format!("no withdrawal {}", id.unwrap_or_default())));
+    }
+    if let (true, Some(last)) = (full, last) {
+        eprintln!("{limit} withdrawals shown; the next page: --after {last}");
     }
     if settings.json {
         return super::print_json(&out).map(|()| Exit::Success);

@@ -835,3 +835,33 @@ async fn grpc_request_withdrawal_takes_btc_and_refuses_what_the_cli_refuses() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_withdrawal_listing_pages_and_shows_btc_attempts() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let mut ids = Vec::new();
+    for n in 0..3 {
+        ids.push(
+            p.request(&format!("l{n}"), &p.sim.address(AddrKind::P2wpkh, 40 + n), 100_000).await.unwrap().withdrawal.id,
+        );
+    }
+    p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    let env = btc_env(&p.db, &p.sim, None);
+    let first = run(env.clone(), &["withdrawals", "--json", "--limit", "2"]).await;
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let page: Vec<i64> =
+        first.json().as_array().unwrap().iter().map(|e| e["withdrawal"]["id"].as_i64().unwrap()).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    assert_eq!(page, sorted[..2]);
+    assert!(first.stderr.contains(&format!("--after {}", sorted[1])), "{}", first.stderr);
+    let rest = run(env, &["withdrawals", "--json", "--after", &sorted[1].to_string()]).await;
+    let entries = rest.json();
+    let entries = entries.as_array().unwrap();
+    assert_eq!(entries.len(), 1);
+    assert!(!rest.stderr.contains("--after"), "the last page says nothing more: {}", rest.stderr);
+    let attempt = &entries[0]["attempts"][0];
+    assert_eq!((attempt["kind"].as_str(), attempt["intent"].as_str()), (Some("original"), Some("payout")));
+    assert_eq!(attempt["tx_hash"], entries[0]["withdrawal"]["tx_hash"]);
+    assert!(attempt["fee_sat"].as_str().unwrap().parse::<u64>().unwrap() > 0);
+}
