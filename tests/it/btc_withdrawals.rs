@@ -818,9 +818,9 @@ async fn grpc_request_withdrawal_takes_btc_and_refuses_what_the_cli_refuses() {
     };
     let to = p.sim.address(AddrKind::P2tr, 4).to_string();
     let made =
-        client.request_withdrawal(ask("g1", to.clone(), WireAmount::AmountDecimal("0.01".into()))).await.unwrap();
+        client.request_withdrawal(ask("g1", to.clone(), WireAmount::AmountDecimal("0.005".into()))).await.unwrap();
     let w = made.into_inner().withdrawal.unwrap();
-    assert_eq!((w.asset.as_str(), w.destination.as_str(), w.amount.as_str()), ("BTC", to.as_str(), "1000000"));
+    assert_eq!((w.asset.as_str(), w.destination.as_str(), w.amount.as_str()), ("BTC", to.as_str(), "500000"));
     for (destination, amount, why) in [
         ("bc1qar0srrr7xfkvy5l643lydnw9re59gtzzwf5mdq".to_owned(), WireAmount::AmountDecimal("0.01".into()), "regtest"),
         (p.sim.address(AddrKind::P2wpkh, 4).to_string(), WireAmount::AmountUnits("293".into()), "dust limit"),
@@ -832,6 +832,16 @@ async fn grpc_request_withdrawal_takes_btc_and_refuses_what_the_cli_refuses() {
         assert!(refused.message().contains(why), "{}", refused.message());
     }
     assert_eq!(p.value("select count(*)::text from withdrawal").await, "1", "nothing written by the refusals");
+    // Once signed, the withdrawal shows its BTC transaction as an attempt, with its fee.
+    p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    let mut get = tonic::Request::new(custodian_api::pb::GetWithdrawalRequest { id: w.id });
+    get.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let signed = client.get_withdrawal(get).await.unwrap().into_inner();
+    assert_eq!(signed.attempts.len(), 1, "{signed:?}");
+    assert_eq!((signed.attempts[0].kind.as_str(), signed.attempts[0].intent.as_str()), ("original", "payout"));
+    assert_eq!(Some(signed.attempts[0].tx_hash.clone()), signed.tx_hash);
+    assert!(signed.attempts[0].fee_sat.parse::<u64>().unwrap() > 0);
+    assert!(signed.attempts[0].max_fee_per_gas_wei.is_empty());
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }

@@ -42,10 +42,15 @@ select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.desti
 
 /// Every signed payload of some withdrawals, oldest first per withdrawal.
 const ATTEMPTS: &str = "
-select withdrawal_id, tx_hash, kind, max_fee, intent
+select withdrawal_id, tx_hash, kind, max_fee::text, intent, null::text as fee_sat, created_at
   from withdrawal_attempt
  where withdrawal_id = any($1)
- order by withdrawal_id, created_at, tx_hash";
+union all
+select p.withdrawal_id, a.tx_hash, a.kind, null, case a.kind when 'cancel' then 'cancel' else 'payout' end,
+       a.fee::text, a.created_at
+  from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id
+ where p.withdrawal_id = any($1)
+ order by 1, 7, 2";
 
 /// The `Withdrawals` service.
 #[derive(Debug)]
@@ -95,8 +100,9 @@ async fn with_attempts<C: GenericClient>(client: &C, withdrawals: &mut [pb::With
         by_id.entry(row.get(0)).or_default().push(pb::Attempt {
             tx_hash: row.get(1),
             kind: row.get(2),
-            max_fee_per_gas_wei: row.get::<_, U256>(3).to_string(),
+            max_fee_per_gas_wei: row.get::<_, Option<String>>(3).unwrap_or_default(),
             intent: row.get(4),
+            fee_sat: row.get::<_, Option<String>>(5).unwrap_or_default(),
         });
     }
     for w in withdrawals {
