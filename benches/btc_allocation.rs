@@ -14,6 +14,9 @@
 //! Batch 1 and the ceiling alternate in rounds, so a slow spell weighs on both alike.
 //! `BTC_ALLOCATION_SCALE` (default 1) multiplies the withdrawal counts.
 
+mod common;
+
+use common::{one_row_ceiling, per_second, ratio};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,37 +40,6 @@ use std::str::FromStr;
 const COINS: usize = 10_000;
 const COIN_SATS: u64 = 50_000;
 const PAYOUT_SATS: u64 = 20_000;
-
-fn per_second(count: u64, elapsed: Duration) -> u64 {
-    (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
-}
-
-fn ratio(ours: u64, ceiling: u64) -> String {
-    let hundredths = ours * 100 / ceiling.max(1);
-    format!("{}.{:02}", hundredths / 100, hundredths % 100)
-}
-
-/// The ceiling: lock one row, bump it, commit, `n` times on one connection.
-async fn ceiling(db: &TestDb, n: u64) -> (u64, Duration) {
-    let (mut client, connection) = db.url.config().connect(tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
-    let lock = client
-        .prepare("select next_nonce from hot_wallet where chain = 'eth' and lane = 'ceiling' for update")
-        .await
-        .unwrap();
-    let bump = client
-        .prepare("update hot_wallet set next_nonce = next_nonce + 1 where chain = 'eth' and lane = 'ceiling'")
-        .await
-        .unwrap();
-    let started = Instant::now();
-    for _ in 0..n {
-        let tx = client.transaction().await.unwrap();
-        tx.query_one(&lock, &[]).await.unwrap();
-        tx.execute(&bump, &[]).await.unwrap();
-        tx.commit().await.unwrap();
-    }
-    (n, started.elapsed())
-}
 
 /// Allocates until `n` more withdrawals are signed; returns how many, and the time it took.
 async fn drain(worker: &BtcWorker, n: u64) -> (u64, Duration) {
@@ -126,13 +98,6 @@ async fn main() {
         };
         request::request(&mut client, &r).await.unwrap();
     }
-    client
-        .execute(
-            "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, 'ceiling', 0)",
-            &[&format!("0x{:040x}", 0xce11_0000u64)],
-        )
-        .await
-        .unwrap();
     // The statistics autovacuum keeps in service (ANALYZE needs the tables' owner).
     db.owner_client().await.batch_execute("analyze").await.unwrap();
     if std::env::var_os("BTC_ALLOCATION_EXPLAIN").is_some() {
@@ -168,7 +133,7 @@ async fn main() {
     let one = worker(1);
     let (mut ceiling_n, mut ceiling_t, mut ours_n, mut ours_t) = (0, Duration::ZERO, 0, Duration::ZERO);
     for _ in 0..ROUNDS {
-        let (n, t) = ceiling(&db, 400).await;
+        let (n, t) = one_row_ceiling(&db, 400).await;
         (ceiling_n, ceiling_t) = (ceiling_n + n, ceiling_t + t);
         let (n, t) = drain(&one, u64::try_from(batch_1_n / ROUNDS).unwrap()).await;
         (ours_n, ours_t) = (ours_n + n, ours_t + t);
@@ -180,7 +145,7 @@ async fn main() {
     let fifty = worker(50);
     let (n, t) = drain(&fifty, u64::try_from(batch_50_n).unwrap()).await;
     let batch_50 = per_second(n, t);
-    let (cn, ct) = ceiling(&db, 2_000).await;
+    let (cn, ct) = one_row_ceiling(&db, 2_000).await;
     let ceiling_after = per_second(cn, ct);
     println!(
         "  batch 50: {n} withdrawals at {batch_50}/s = {}x the ceiling (target >= 10); the ceiling measured again after: {ceiling_after} txn/s",

@@ -6,6 +6,9 @@
 //! `Health/Check` (the transport and server), and the one-row PostgreSQL ceiling of the allocation
 //! bench (the database). `REQUEST_PATH_SCALE` (default 1) multiplies the request counts.
 
+mod common;
+
+use common::{one_row_ceiling, per_second, ratio};
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,15 +25,6 @@ const LANES: [(&str, &str); 2] = [
     ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
     ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
 ];
-
-fn per_second(count: u64, elapsed: Duration) -> u64 {
-    (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
-}
-
-fn ratio(ours: u64, ceiling: u64) -> String {
-    let hundredths = ours * 100 / ceiling.max(1);
-    format!("{}.{:02}", hundredths / 100, hundredths % 100)
-}
 
 fn percentiles(mut samples: Vec<Duration>) -> String {
     samples.sort_unstable();
@@ -118,30 +112,6 @@ async fn channel(grpc: &str) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap()
 }
 
-/// The one-row ceiling: lock one row, bump it, commit, `n` times on one connection.
-async fn ceiling(db: &TestDb, n: u64) -> u64 {
-    let (mut client, connection) = db.url.config().connect(tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
-    client.execute("insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, 'ceiling', 0) on conflict do nothing",
-        &[&format!("0x{:040x}", 0xce11_0000u64)]).await.unwrap();
-    let lock = client
-        .prepare("select next_nonce from hot_wallet where chain = 'eth' and lane = 'ceiling' for update")
-        .await
-        .unwrap();
-    let bump = client
-        .prepare("update hot_wallet set next_nonce = next_nonce + 1 where chain = 'eth' and lane = 'ceiling'")
-        .await
-        .unwrap();
-    let started = Instant::now();
-    for _ in 0..n {
-        let tx = client.transaction().await.unwrap();
-        tx.query_one(&lock, &[]).await.unwrap();
-        tx.execute(&bump, &[]).await.unwrap();
-        tx.commit().await.unwrap();
-    }
-    per_second(n, started.elapsed())
-}
-
 async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client().await.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -208,7 +178,8 @@ async fn main() {
     }
     let served = serve(&db, &anvil, &config);
     // On a database of its own: its row must not become a lane of the service under test.
-    let db_ceiling = ceiling(&TestDb::new().await, 2_000).await;
+    let (n, t) = one_row_ceiling(&TestDb::new().await, 2_000).await;
+    let db_ceiling = per_second(n, t);
     println!("request path through custodian serve (anvil, 1-second blocks, two lanes):");
     println!("  ceiling, database (select for update + update + commit on one row): {db_ceiling} txn/s");
     let mut total = 0i64;

@@ -189,18 +189,7 @@ pub async fn resolve(
     confirmations: u64,
     by: &str,
 ) -> Result<Resolved, ActionError> {
-    let by = by.trim();
-    if by.is_empty() {
-        return Err(ActionError::Anonymous);
-    }
-    let w = sql::load(&*client, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state != WithdrawalState::NeedsReview {
-        return Err(ActionError::WrongState {
-            id,
-            state: w.state.as_str(),
-            message: "only a withdrawal that needs review can be resolved",
-        });
-    }
+    let (w, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
     let node_error = |e: crate::rpc::NodeError| ActionError::Node(e.to_string());
     let (Some(from), Some(nonce)) = (w.from_address.clone(), w.nonce) else {
@@ -216,7 +205,7 @@ pub async fn resolve(
             fee: Amount::ZERO,
             by: by.to_owned(),
         };
-        return record_resolution(client, id, event, by).await;
+        return record_resolution(client, id, event, by, None).await;
     };
     let hot: alloy_primitives::Address = from.parse().expect("BUG: stored hot wallet is not an address");
     let event = match resolution {
@@ -300,7 +289,7 @@ pub async fn resolve(
             }
         }
     };
-    record_resolution(client, id, event, by).await
+    record_resolution(client, id, event, by, None).await
 }
 
 /// Resolves a BTC withdrawal in `needs_review` on `by`'s authority, from the chain as scanned: it
@@ -320,18 +309,7 @@ pub async fn resolve_btc(
     confirmations: u64,
     by: &str,
 ) -> Result<Resolved, ActionError> {
-    let by = by.trim();
-    if by.is_empty() {
-        return Err(ActionError::Anonymous);
-    }
-    let w = sql::load(&*client, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state != WithdrawalState::NeedsReview {
-        return Err(ActionError::WrongState {
-            id,
-            state: w.state.as_str(),
-            message: "only a withdrawal that needs review can be resolved",
-        });
-    }
+    let (_, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
     if let Resolution::PaidBy(hash) = resolution {
         return Err(refuse(format!(
@@ -386,37 +364,39 @@ pub async fn resolve_btc(
         fee: Amount::ZERO,
         by: by.to_owned(),
     };
-    let tx = client.transaction().await?;
-    let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
+    record_resolution(client, id, event, by, spend).await
+}
+
+/// `id` loaded for a resolution on `by`'s authority: it must need review, and `by` be someone.
+async fn under_review<'a>(
+    client: &deadpool_postgres::Object,
+    id: i64,
+    by: &'a str,
+) -> Result<(Withdrawal, &'a str), ActionError> {
+    let by = by.trim();
+    if by.is_empty() {
+        return Err(ActionError::Anonymous);
+    }
+    let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
     if w.state != WithdrawalState::NeedsReview {
-        return Err(ActionError::WrongState { id, state: w.state.as_str(), message: "it was resolved meanwhile" });
+        return Err(ActionError::WrongState {
+            id,
+            state: w.state.as_str(),
+            message: "only a withdrawal that needs review can be resolved",
+        });
     }
-    let details = serde_json::json!({"withdrawal_id": id, "event": event.payload()});
-    sql::append(&tx, &mut w, event).await?;
-    sql::post(&tx, &w, Movement::Release, Amount::ZERO).await?;
-    if let Some(spend) = spend {
-        // The last withdrawal of the spend resolved: its coins are no longer anyone's.
-        tx.execute(
-            "update utxo_reservation set released_at = now()
-              where spend_id = $1 and released_at is null
-                and not exists (select 1 from btc_spend_payout p join withdrawal o on o.id = p.withdrawal_id
-                                 where p.spend_id = $1 and o.state = 'needs_review')",
-            &[&spend],
-        )
-        .await?;
-    }
-    custodian_store::operator::record(&tx, custodian_store::operator::Action::WithdrawalResolved, by, &details).await?;
-    tx.commit().await?;
-    Ok(Resolved { withdrawal: w, paid: false, fee: Amount::ZERO })
+    Ok((w, by))
 }
 
 /// Appends the resolution under the withdrawal's lock (still in review), with its movements and
-/// the operator action, in one transaction.
+/// the operator action, in one transaction; for a BTC spend, once none of its withdrawals is left
+/// in review, its reservations are released.
 async fn record_resolution(
     client: &mut deadpool_postgres::Object,
     id: i64,
     event: WithdrawalEvent,
     by: &str,
+    btc_spend: Option<i64>,
 ) -> Result<Resolved, ActionError> {
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
@@ -432,6 +412,17 @@ async fn record_resolution(
     // The fee of whatever consumed the nonce left our hot wallet either way.
     sql::post(&tx, &w, if paid { Movement::Settle } else { Movement::Release }, Amount::ZERO).await?;
     sql::post(&tx, &w, Movement::Fee, fee).await?;
+    if let Some(spend) = btc_spend {
+        // The last withdrawal of a BTC spend resolved: its coins are no longer anyone's.
+        tx.execute(
+            "update utxo_reservation set released_at = now()
+              where spend_id = $1 and released_at is null
+                and not exists (select 1 from btc_spend_payout p join withdrawal o on o.id = p.withdrawal_id
+                                 where p.spend_id = $1 and o.state = 'needs_review')",
+            &[&spend],
+        )
+        .await?;
+    }
     custodian_store::operator::record(&tx, custodian_store::operator::Action::WithdrawalResolved, by, &details).await?;
     tx.commit().await?;
     Ok(Resolved { withdrawal: w, paid, fee })

@@ -259,19 +259,6 @@ select (select id from withdrawal where account_id = $1 and external_id = $2),
 const INSERT_EVENT: &str =
     "insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values ($1, $2, $3, $4)";
 
-/// The hold, as [`sql::post`] writes it for [`Movement::Hold`] ($1 key, $2 withdrawal, $3 payer,
-/// $4 asset, $5 amount): one statement.
-const INSERT_HOLD: &str = "
-with transfer as (
-    insert into ledger_transfer (idempotency_key, kind, reference)
-    values ($1, 'withdrawal_hold', jsonb_build_object('withdrawal_id', $2::bigint))
-    returning id
-)
-insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-select id, $3::text, $4::text, 'debit', $5::numeric(78,0) from transfer
-union all
-select id, 'withdrawal_holds', $4::text, 'credit', $5::numeric(78,0) from transfer";
-
 async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
     // Before any lock: the idempotent hit, and what does not depend on the balance.
     if let Some(found) = existing(&*client, request).await? {
@@ -324,7 +311,7 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
             c.prepare_cached(UNDER_LOCK),
             c.prepare_cached(INSERT_EVENT),
             c.prepare_cached(sql::UPSERT),
-            c.prepare_cached(INSERT_HOLD),
+            c.prepare_cached(sql::POST_TRANSFER),
         )?
     };
     let tx = client.transaction().await?;
@@ -383,16 +370,15 @@ async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) 
         withdrawal.apply(event);
     }
     // Third round trip: the events, the projection (its state after them) and the hold, together.
-    let (first_payload, key, payer) =
-        (requested.payload(), format!("withdrawal:{id}:hold"), format!("user:{}", request.account_id));
+    let first_payload = requested.payload();
+    let held = sql::transfer_parts(&withdrawal, Movement::Hold, Amount::ZERO).expect("BUG: a positive amount is held");
     let awaiting_payload = awaiting.as_ref().map(WithdrawalEvent::payload);
     let projected = sql::projection_params(&withdrawal);
     let projected = projected.refs();
-    let amount = request.amount.units();
     let (one, two) = (1i32, 2i32);
     let requested_type = "requested";
     let first_params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&id, &one, &requested_type, &first_payload];
-    let hold_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&key, &id, &payer, &request.asset, &amount];
+    let hold_params = held.params();
     let writes = async {
         futures::try_join!(
             tx.execute(&insert_event, &first_params),

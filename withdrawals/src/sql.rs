@@ -167,6 +167,73 @@ pub fn fee_asset(asset: &str) -> &'static str {
     }
 }
 
+/// One withdrawal transfer in one statement: the transfer, unless its key exists already, and
+/// its two postings. ($1 key, $2 kind, $3 withdrawal id, $4 debit, $5 credit, $6 asset, $7 amount,
+/// as [`TransferParts::params`] orders them.)
+pub(crate) const POST_TRANSFER: &str = "
+with transfer as (
+    insert into ledger_transfer (idempotency_key, kind, reference)
+    values ($1, $2, jsonb_build_object('withdrawal_id', $3::bigint))
+    on conflict (idempotency_key) do nothing
+    returning id
+)
+insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+select id, $4::text, $6::text, 'debit', $7::numeric(78,0) from transfer
+union all
+select id, $5::text, $6::text, 'credit', $7::numeric(78,0) from transfer";
+
+/// What one of a withdrawal's transfers moves, keyed `withdrawal:{id}:{kind}`.
+pub(crate) struct TransferParts {
+    key: String,
+    kind: &'static str,
+    withdrawal_id: i64,
+    debit: String,
+    credit: String,
+    asset: String,
+    amount: U256,
+}
+
+impl TransferParts {
+    /// In [`POST_TRANSFER`]'s order.
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
+        [&self.key, &self.kind, &self.withdrawal_id, &self.debit, &self.credit, &self.asset, &self.amount]
+    }
+}
+
+/// The transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]); `None` when it moves
+/// nothing. The posting rules of withdrawals, stated here once.
+pub(crate) fn transfer_parts(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<TransferParts> {
+    // An internal withdrawal (rebalancing) is paid from treasury, a customer's from its account.
+    let user = if w.treasury { "treasury".to_owned() } else { format!("user:{}", w.account_id) };
+    let (kind, suffix, debit, credit, asset, amount) = match movement {
+        Movement::Hold => ("withdrawal_hold", "hold", user, "withdrawal_holds".to_owned(), w.asset.as_str(), w.amount),
+        Movement::Release => {
+            ("withdrawal_release", "release", "withdrawal_holds".to_owned(), user, w.asset.as_str(), w.amount)
+        }
+        Movement::Settle => (
+            "withdrawal_settle",
+            "settle",
+            "withdrawal_holds".to_owned(),
+            "custody".to_owned(),
+            w.asset.as_str(),
+            w.amount,
+        ),
+        // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
+        Movement::Fee => {
+            ("network_fee", "fee", "network_fees".to_owned(), "custody".to_owned(), fee_asset(&w.asset), fee)
+        }
+    };
+    (!amount.is_zero()).then(|| TransferParts {
+        key: format!("withdrawal:{}:{suffix}", w.id),
+        kind,
+        withdrawal_id: w.id,
+        debit,
+        credit,
+        asset: asset.to_owned(),
+        amount: amount.units(),
+    })
+}
+
 /// Posts one of a withdrawal's transfers; a second post of the same kind is a no-op.
 pub async fn post(
     tx: &Transaction<'_>,
@@ -174,37 +241,8 @@ pub async fn post(
     movement: Movement,
     fee: Amount,
 ) -> Result<(), tokio_postgres::Error> {
-    // An internal withdrawal (rebalancing) is paid from treasury, a customer's from its account.
-    let user = if w.treasury { "treasury".to_owned() } else { format!("user:{}", w.account_id) };
-    let (kind, suffix, debit, credit, asset, amount) = match movement {
-        Movement::Hold => ("withdrawal_hold", "hold", user.as_str(), "withdrawal_holds", w.asset.as_str(), w.amount),
-        Movement::Release => {
-            ("withdrawal_release", "release", "withdrawal_holds", user.as_str(), w.asset.as_str(), w.amount)
-        }
-        Movement::Settle => ("withdrawal_settle", "settle", "withdrawal_holds", "custody", w.asset.as_str(), w.amount),
-        // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
-        Movement::Fee => ("network_fee", "fee", "network_fees", "custody", fee_asset(&w.asset), fee),
-    };
-    if amount.is_zero() {
-        return Ok(());
-    }
-    let key = format!("withdrawal:{}:{suffix}", w.id);
-    let created = tx
-        .query_opt(
-            "insert into ledger_transfer (idempotency_key, kind, reference)
-             values ($1, $2, jsonb_build_object('withdrawal_id', $3::bigint))
-             on conflict (idempotency_key) do nothing returning id",
-            &[&key, &kind, &w.id],
-        )
-        .await?;
-    if let Some(row) = created {
-        let transfer: i64 = row.get(0);
-        tx.execute(
-            "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-             values ($1, $2, $4, 'debit', $5), ($1, $3, $4, 'credit', $5)",
-            &[&transfer, &debit, &credit, &asset, &amount.units()],
-        )
-        .await?;
+    if let Some(parts) = transfer_parts(w, movement, fee) {
+        tx.execute(POST_TRANSFER, &parts.params()).await?;
     }
     Ok(())
 }
