@@ -163,6 +163,9 @@ pub enum Command {
     /// Hot wallets (withdrawal lanes).
     #[command(subcommand, name = "hot-wallet")]
     HotWallet(HotWalletCommand),
+    /// Webhook subscribers: the fact history pushed to a URL, signed, in order, at least once.
+    #[command(subcommand, alias = "webhooks")]
+    Webhook(WebhookCommand),
     /// Request a withdrawal (idempotent per account and --external-id).
     Withdraw {
         /// Account reference or id.
@@ -276,6 +279,56 @@ pub struct WorkerArgs {
     /// Milliseconds between passes when running continuously.
     #[arg(long, default_value_t = 1000)]
     pub interval_ms: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WebhookCommand {
+    /// Subscribe a URL to kinds of facts. Prints the subscriber, and its secret once when none
+    /// was given.
+    Add {
+        /// Where facts are posted (http:// or https://).
+        #[arg(long)]
+        url: String,
+        /// Comma-separated: block, deposit, ledger, reversal, withdrawal, operator.
+        #[arg(long)]
+        kinds: String,
+        /// A file (readable by its owner only) holding the HMAC secret; generated when absent.
+        #[arg(long)]
+        secret_file: Option<std::path::PathBuf>,
+        /// Deliver the whole history, not only facts from now on.
+        #[arg(long)]
+        from_start: bool,
+    },
+    /// Every subscriber with its cursor, backlog and state.
+    List,
+    /// Stop delivering to a subscriber (its cursor stays).
+    Pause {
+        /// Subscriber id.
+        #[arg(long)]
+        id: i64,
+        /// Why.
+        #[arg(long, default_value = "paused by an operator")]
+        reason: String,
+    },
+    /// Deliver again, from where the cursor stands, with its failures cleared.
+    Resume {
+        /// Subscriber id.
+        #[arg(long)]
+        id: i64,
+    },
+    /// Remove a subscriber.
+    Remove {
+        /// Subscriber id.
+        #[arg(long)]
+        id: i64,
+    },
+    /// Deliver to every due subscriber (until stopped, or with --once until each is caught up
+    /// or has failed once).
+    Deliver {
+        /// One pass, then exit with a report.
+        #[arg(long)]
+        once: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -40,6 +40,46 @@ pub struct FileConfig {
     /// Hot-wallet keys per lane.
     #[serde(default)]
     pub hot_keys: BTreeMap<String, HotKey>,
+    /// Webhook delivery.
+    #[serde(default)]
+    pub webhooks: WebhooksConfig,
+}
+
+/// `[webhooks]`: how facts are delivered to subscribers (every value in milliseconds).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhooksConfig {
+    /// Deliver inside `serve` (default true); `custodian webhook deliver` delivers either way.
+    pub enabled: Option<bool>,
+    /// How long one request may take (default 10 000).
+    pub timeout_ms: Option<u64>,
+    /// A subscriber failing for longer than this is paused (default one day).
+    pub max_age_ms: Option<u64>,
+    /// How often due subscribers are looked for (default 1 000).
+    pub poll_ms: Option<u64>,
+    /// How long one process holds a subscriber without renewing (default 60 000).
+    pub lease_ms: Option<u64>,
+    /// The first retry's wait, doubled with jitter for each further one (default 1 000).
+    pub min_backoff_ms: Option<u64>,
+    /// The longest wait between retries (default 600 000).
+    pub max_backoff_ms: Option<u64>,
+}
+
+impl WebhooksConfig {
+    /// The delivery settings, defaults filled in.
+    pub fn delivery(&self) -> custodian_api::webhooks::DeliveryConfig {
+        use std::time::Duration;
+        let defaults = custodian_api::webhooks::DeliveryConfig::default();
+        let ms = |value: Option<u64>, default: Duration| value.map_or(default, |v| Duration::from_millis(v.max(1)));
+        custodian_api::webhooks::DeliveryConfig {
+            timeout: ms(self.timeout_ms, defaults.timeout),
+            max_age: ms(self.max_age_ms, defaults.max_age),
+            poll: ms(self.poll_ms, defaults.poll),
+            lease: ms(self.lease_ms, defaults.lease),
+            min_backoff: ms(self.min_backoff_ms, defaults.min_backoff),
+            max_backoff: ms(self.max_backoff_ms, defaults.max_backoff),
+        }
+    }
 }
 
 /// `[eth]`.

@@ -28,6 +28,7 @@ mod services;
 mod status;
 mod time;
 pub mod tokens;
+pub mod webhooks;
 mod wire;
 
 /// Generated protobuf and gRPC types (clients included, for tests and other Rust callers).

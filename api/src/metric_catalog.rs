@@ -125,6 +125,18 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
         "nonces consumed by transactions this service did not sign, per hot-wallet address (alert)",
     ),
     (
+        "custodian_webhook_backlog",
+        Kind::Gauge,
+        "facts of its kinds waiting after a webhook subscriber's cursor (counted up to 10,000), per subscriber",
+    ),
+    ("custodian_webhook_deliveries_total", Kind::Counter, "webhook requests, by outcome (delivered, failed)"),
+    (
+        "custodian_webhook_paused",
+        Kind::Gauge,
+        "1 while a webhook subscriber is paused (by an operator, or after failing for longer than max_age_ms)",
+    ),
+    ("custodian_webhook_request_seconds", Kind::Histogram, "how long one webhook request took, answered or not"),
+    (
         "custodian_withdrawal_tampered_total",
         Kind::Counter,
         "withdrawal rows found disagreeing with their event streams (alert)",

@@ -152,3 +152,16 @@ pub(crate) fn history(error: HistoryError, field: &str) -> Status {
         HistoryError::Database(e) => database("reading the history", &e),
     }
 }
+
+/// A webhook operation's refusal.
+pub(crate) fn webhook(error: crate::webhooks::WebhookError) -> Status {
+    use crate::webhooks::WebhookError;
+    match error {
+        WebhookError::Invalid(message) => Status::invalid_argument(message),
+        missing @ WebhookError::NotFound(_) => Status::not_found(missing.to_string()),
+        WebhookError::Database(e) => database("changing webhook subscribers", &e),
+        WebhookError::Pool(e) => pool(&e),
+        WebhookError::History(e) => history(e, "cursor"),
+        other => Status::internal(other.to_string()),
+    }
+}

@@ -445,7 +445,7 @@ impl<R: ChainReader> Scanner<R> {
                     }
                     metrics::counter!("custodian_scanner_retries_total", "chain" => chain.as_str(), "reason" => e.label())
                         .increment(1);
-                    let wait = jittered(backoff);
+                    let wait = custodian_store::jittered(backoff);
                     tracing::warn!(%chain, retry_in_ms = wait.as_millis() as u64, "scan step failed, retrying: {e}");
                     self.note_failure(e.to_string());
                     backoff = (backoff * 2).min(self.config.max_backoff);
@@ -543,7 +543,7 @@ impl<R: ChainReader> Scanner<R> {
                     metrics::counter!("custodian_scanner_retries_total", "chain" => self.chain().as_str(), "reason" => "node_call")
                         .increment(1);
                     self.note_failure(format!("{what}: {e}"));
-                    tokio::time::sleep(jittered(backoff)).await;
+                    tokio::time::sleep(custodian_store::jittered(backoff)).await;
                     backoff = (backoff * 2).min(self.config.max_backoff);
                 }
             }
@@ -746,14 +746,6 @@ impl<R: ChainReader> Scanner<R> {
             "reorg: orphan-marked {orphaned} blocks above the fork point; re-scanning from there");
         Ok(())
     }
-}
-
-/// `base` plus up to half of it again, at random: retries of many scanners never line up.
-fn jittered(base: Duration) -> Duration {
-    use std::hash::{BuildHasher, Hasher};
-    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-    let half = u64::try_from(base.as_millis() / 2).unwrap_or(u64::MAX).max(1);
-    base + Duration::from_millis(random % half)
 }
 
 fn record_reorg(chain: Chain, depth: u64) {

@@ -11,6 +11,7 @@ mod reconcile;
 mod scan;
 mod serve;
 mod status;
+mod webhook;
 mod withdraw;
 
 use anyhow::{Context, Result};
@@ -72,6 +73,7 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         }
         Command::HotWallet(HotWalletCommand::Retire { lane }) => withdraw::retire(&settings, &lane).await,
         Command::HotWallet(HotWalletCommand::List) => withdraw::lanes(&settings).await,
+        Command::Webhook(command) => webhook::run(&settings, command).await,
         Command::Withdraw { account, asset, to, amount, external_id } => {
             withdraw::request(&settings, &account, &asset, &to, &amount, &external_id).await
         }

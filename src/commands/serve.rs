@@ -188,6 +188,11 @@ pub async fn run(
     };
     tasks.spawn(hot_wallet_gauges(pool.clone(), eth_node, thresholds, stopped.clone()));
     tasks.spawn(reconcile(settings.eth_rpc.clone(), settings.eth_rpc_timeout, pool.clone(), stopped.clone()));
+    if settings.file.webhooks.enabled.unwrap_or(true) {
+        let deliverer = super::webhook::deliverer(settings, pool.clone())?;
+        let stopped = stopped.clone();
+        tasks.spawn(async move { deliverer.run(stopped).await.map_err(|e| anyhow::anyhow!("webhook delivery: {e}")) });
+    }
     let parts = Parts { warnings, broken, scanners };
     tasks.spawn(health(metrics, pool.clone(), Arc::new(recorder), Arc::new(parts), stopped.clone()));
     let mut api_stopped = stopped.clone();
@@ -380,6 +385,9 @@ async fn gauges(pool: Pool, mut stopped: watch::Receiver<bool>) -> Result<()> {
             if let Ok(row) = client.query_one("select count(*) from hot_wallet where paused_at is not null", &[]).await
             {
                 metrics::gauge!("custodian_paused_lanes").set(row.get::<_, i64>(0) as f64);
+            }
+            if let Err(e) = custodian_api::webhooks::record_gauges(&client).await {
+                tracing::warn!("reading the webhook backlog failed; retried next round: {e}");
             }
             // The history's hash chain follows every writer (withdrawals, operator actions too).
             if let Err(e) = custodian_projections::seals::seal(&client).await {

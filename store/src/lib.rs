@@ -29,3 +29,11 @@ pub fn is_unique_violation(error: &tokio_postgres::Error, constraint: Option<&st
         db.code().code() == UNIQUE_VIOLATION && constraint.is_none_or(|name| db.constraint() == Some(name))
     })
 }
+
+/// `base` plus up to half of it again, at random: retries of many processes never line up.
+pub fn jittered(base: std::time::Duration) -> std::time::Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    let half = u64::try_from(base.as_millis() / 2).unwrap_or(u64::MAX).max(1);
+    base + std::time::Duration::from_millis(random % half)
+}

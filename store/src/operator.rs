@@ -1,5 +1,5 @@
 //! Operator actions as facts: every change an operator makes outside a withdrawal's stream
-//! (limits and policy, API tokens, lanes, asset registration) is appended to `operator_action`
+//! (limits and policy, API tokens, lanes, asset registration, webhook subscribers) is appended to `operator_action`
 //! with the authenticated principal, in the same transaction as the change itself, and appears in
 //! the audit history as `operator_<action>`.
 
@@ -30,6 +30,14 @@ pub enum Action {
     LaneRetired,
     /// A withdrawal in `needs_review` was resolved with evidence.
     WithdrawalResolved,
+    /// A webhook subscriber was added.
+    WebhookAdded,
+    /// A webhook subscriber was paused by an operator.
+    WebhookPaused,
+    /// A webhook subscriber was resumed.
+    WebhookResumed,
+    /// A webhook subscriber was removed.
+    WebhookRemoved,
 }
 
 impl Action {
@@ -47,6 +55,10 @@ impl Action {
             Action::WithdrawalResolved => "withdrawal_resolved",
             Action::LaneResynced => "lane_resynced",
             Action::AssetRegistered => "asset_registered",
+            Action::WebhookAdded => "webhook_added",
+            Action::WebhookPaused => "webhook_paused",
+            Action::WebhookResumed => "webhook_resumed",
+            Action::WebhookRemoved => "webhook_removed",
         }
     }
 }

@@ -13,5 +13,6 @@ mod lifecycle_eth;
 mod ops;
 mod properties;
 mod serve;
+mod webhooks;
 mod withdrawal_edges;
 mod withdrawals;

@@ -330,12 +330,9 @@ impl Worker {
 
     /// Records a failure of `lane`: its next try waits twice as long as the last (with jitter).
     fn lane_failed(&self, lane: &str) -> std::time::Duration {
-        use std::hash::{BuildHasher, Hasher};
         let mut backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let current = backoff.get(lane).map_or(LANE_FIRST_BACKOFF, |(_, last)| (*last * 2).min(LANE_MAX_BACKOFF));
-        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let half = u64::try_from(current.as_millis() / 2).unwrap_or(u64::MAX).max(1);
-        let wait = current + std::time::Duration::from_millis(random % half);
+        let wait = custodian_store::jittered(current);
         backoff.insert(lane.to_owned(), (std::time::Instant::now() + wait, current));
         wait
     }
