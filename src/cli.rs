@@ -28,7 +28,8 @@ pub struct GlobalArgs {
     /// [default: postgres://custodian_owner@127.0.0.1:5432/custodian].
     #[arg(long, global = true, env = "CUSTODIAN_MIGRATE_DATABASE_URL", hide_env_values = true)]
     pub migrate_database_url: Option<String>,
-    /// Ethereum JSON-RPC endpoint.
+    /// Ethereum JSON-RPC endpoint; several, comma-separated, are one chain's nodes (reads fail
+    /// over, broadcasts go to all).
     #[arg(long = "eth-rpc", global = true, env = "CUSTODIAN_ETH_RPC_URL", hide_env_values = true)]
     pub eth_rpc: Option<String>,
     /// The Ethereum chain id withdrawals are signed for; a node answering another is refused
@@ -43,7 +44,7 @@ pub struct GlobalArgs {
     /// without them, knowingly, on a node without `debug_traceBlockByNumber` [default: true].
     #[arg(long = "eth-traces", global = true, env = "CUSTODIAN_ETH_TRACES")]
     pub eth_traces: Option<bool>,
-    /// Bitcoin Core JSON-RPC endpoint.
+    /// Bitcoin Core JSON-RPC endpoint; several, comma-separated, fail over like --eth-rpc.
     #[arg(long = "btc-rpc", global = true, env = "CUSTODIAN_BTC_RPC_URL", hide_env_values = true)]
     pub btc_rpc: Option<String>,
     /// Bitcoin Core RPC user (or use a cookie file).

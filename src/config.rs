@@ -88,6 +88,9 @@ impl WebhooksConfig {
 pub struct EthConfig {
     /// JSON-RPC endpoint.
     pub rpc_url: Option<String>,
+    /// Several endpoints of one chain: reads fail over, broadcasts go to all (instead of rpc_url).
+    #[serde(default)]
+    pub rpc_urls: Vec<String>,
     /// The EIP-155 chain id withdrawals are signed for (required with hot-wallet keys).
     pub chain_id: Option<u64>,
     /// Account-level xpub (m/44'/60'/0') deposit addresses are derived from.
@@ -104,6 +107,9 @@ pub struct EthConfig {
 pub struct BtcConfig {
     /// Bitcoin Core JSON-RPC endpoint.
     pub rpc_url: Option<String>,
+    /// Several Bitcoin Core nodes: reads fail over, broadcasts go to all (instead of rpc_url).
+    #[serde(default)]
+    pub rpc_urls: Vec<String>,
     /// RPC user.
     pub rpc_user: Option<String>,
     /// RPC password.

@@ -89,16 +89,18 @@ impl Settings {
         if retention_blocks == 0 {
             return Err(invalid("--retention-blocks must be at least 1"));
         }
+        let eth_rpc = node_urls("eth", args.eth_rpc.as_deref(), file.eth.rpc_url.as_deref(), &file.eth.rpc_urls)?;
+        let btc_rpc = node_urls("btc", args.btc_rpc.as_deref(), file.btc.rpc_url.as_deref(), &file.btc.rpc_urls)?;
         Ok(Settings {
             database_url,
             migrate_database_url,
-            eth_rpc: args.eth_rpc.clone().or_else(|| file.eth.rpc_url.clone()),
+            eth_rpc,
             eth_chain_id: args.eth_chain_id.or(file.eth.chain_id),
             eth_traces: args.eth_traces.or(file.eth.traces).unwrap_or(true),
             eth_rpc_timeout: std::time::Duration::from_millis(
                 args.eth_rpc_timeout_ms.or(file.eth.rpc_timeout_ms).unwrap_or(10_000).max(1),
             ),
-            btc_rpc: args.btc_rpc.clone().or_else(|| file.btc.rpc_url.clone()),
+            btc_rpc,
             btc_auth,
             btc_network,
             retention_blocks,
@@ -107,4 +109,26 @@ impl Settings {
             file,
         })
     }
+}
+
+/// A chain's node URLs as one comma-separated list (what the clients take): the flag or variable
+/// (itself a list), else the file's `rpc_url` or `rpc_urls` (not both).
+fn node_urls(chain: &str, flag: Option<&str>, url: Option<&str>, urls: &[String]) -> Result<Option<String>> {
+    if url.is_some() && !urls.is_empty() {
+        return Err(invalid(format!("[{chain}] takes rpc_url or rpc_urls, not both")));
+    }
+    let list = match (flag, url) {
+        (Some(flag), _) => flag.to_owned(),
+        (None, Some(url)) => url.to_owned(),
+        (None, None) if urls.is_empty() => return Ok(None),
+        (None, None) => urls.join(","),
+    };
+    let split = custodian_store::nodes::split_urls(&list);
+    if split.is_empty() {
+        return Err(invalid(format!("no {chain} node URL in {list:?}")));
+    }
+    if let Some(bad) = split.iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://"))) {
+        return Err(invalid(format!("{chain} node URL {bad:?}: expected http:// or https://")));
+    }
+    Ok(Some(split.join(",")))
 }

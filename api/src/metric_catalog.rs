@@ -78,6 +78,16 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
     ("custodian_hot_wallet_shortages_total", Kind::Counter, "times a lane's hot wallet became short, per lane (alert)"),
     ("custodian_lane_errors_total", Kind::Counter, "lane passes that failed transiently and were backed off, per lane"),
     (
+        "custodian_node_failovers_total",
+        Kind::Counter,
+        "calls that moved to the next configured node because the current one did not answer, per chain",
+    ),
+    (
+        "custodian_node_refused_total",
+        Kind::Counter,
+        "configured nodes refused because their chain identity differs from the other nodes' (alert), per chain",
+    ),
+    (
         "custodian_nonce_gap_alerts_total",
         Kind::Counter,
         "lanes whose chain nonce fell below ours with nothing in flight, per lane (alert)",

@@ -39,7 +39,8 @@ pub struct EthReader {
 pub const RPC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl EthReader {
-    /// A reader for the node at `url` (`http://…`), every call bounded by [`RPC_TIMEOUT`].
+    /// A reader for the node at `url` (`http://…`; several, comma-separated, fail over), every call
+    /// bounded by [`RPC_TIMEOUT`].
     pub fn new(url: &str) -> Result<EthReader, ReadError> {
         EthReader::with_timeout(url, RPC_TIMEOUT)
     }
@@ -48,13 +49,9 @@ impl EthReader {
     /// retried with backoff and shown as `retrying`, never a scanner frozen on a call.
     pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthReader, ReadError> {
         custodian_store::tls::install_crypto_provider();
-        let unavailable = |message: String| ReadError::Unavailable { chain: Chain::Eth, message };
-        let url = url.parse().map_err(|e| unavailable(format!("invalid Ethereum RPC URL: {e}")))?;
-        let http = alloy::transports::http::reqwest::Client::builder()
-            .timeout(timeout)
-            .build()
-            .map_err(|e| unavailable(format!("building the HTTP client: {e}")))?;
-        Ok(EthReader { client: RpcClient::new_http_with_client(http, url), traces: true })
+        let nodes = custodian_store::nodes::EthNodes::new(url, timeout)
+            .map_err(|message| ReadError::Unavailable { chain: Chain::Eth, message })?;
+        Ok(EthReader { client: nodes.client(), traces: true })
     }
 
     /// Whether call traces are read (internal deposits). On by default; a node without a trace

@@ -78,13 +78,18 @@ pub enum TransportError {
     },
 }
 
-/// A client of one Bitcoin Core RPC endpoint.
+/// A client of the configured Bitcoin Core nodes (one or more; see [`crate::nodes`]): calls go
+/// to the current node and fail over to the next when it does not answer; `sendrawtransaction`
+/// goes to all of them; a node whose genesis block differs from the others' is never used.
 #[derive(Clone, Debug)]
 pub struct BtcRpc {
     http: reqwest::Client,
-    url: String,
+    nodes: std::sync::Arc<crate::nodes::NodeSet>,
     auth: BtcAuth,
 }
+
+/// The methods sent to every node.
+const BTC_BROADCASTS: [&str; 1] = ["sendrawtransaction"];
 
 #[derive(Deserialize)]
 struct RpcReply {
@@ -93,14 +98,16 @@ struct RpcReply {
 }
 
 impl BtcRpc {
-    /// A client of `url`.
-    pub fn new(url: &str, auth: BtcAuth) -> Result<BtcRpc, TransportError> {
+    /// A client of the nodes at `urls` (comma-separated).
+    pub fn new(urls: &str, auth: BtcAuth) -> Result<BtcRpc, TransportError> {
         crate::tls::install_crypto_provider();
-        let http = reqwest::Client::builder()
-            .timeout(RPC_TIMEOUT)
-            .build()
-            .map_err(|e| TransportError::Unavailable { method: "connect", message: e.to_string() })?;
-        Ok(BtcRpc { http, url: url.to_owned(), auth })
+        let unavailable = |message: String| TransportError::Unavailable { method: "connect", message };
+        let urls = crate::nodes::split_urls(urls);
+        if urls.is_empty() {
+            return Err(unavailable("no Bitcoin RPC URL given".to_owned()));
+        }
+        let http = reqwest::Client::builder().timeout(RPC_TIMEOUT).build().map_err(|e| unavailable(e.to_string()))?;
+        Ok(BtcRpc { http, nodes: std::sync::Arc::new(crate::nodes::NodeSet::new("btc", urls)), auth })
     }
 
     fn credentials(&self, method: &'static str) -> Result<Option<(String, String)>, TransportError> {
@@ -127,8 +134,98 @@ impl BtcRpc {
     /// # Cancel safety
     /// One HTTP exchange; cancelled, the node may or may not have acted on it.
     pub async fn call(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcFault>, TransportError> {
+        if self.nodes.len() > 1 && BTC_BROADCASTS.contains(&method) {
+            return self.broadcast(method, params).await;
+        }
+        let mut last = None;
+        for index in self.nodes.order() {
+            match self.check(index).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            }
+            match self.call_node(index, method, params.clone()).await {
+                Ok(answer) => {
+                    self.nodes.answered(index);
+                    return Ok(answer);
+                }
+                Err(e) => {
+                    tracing::debug!(node = %self.nodes.url(index), error = %e, "a Bitcoin node did not answer");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(match last {
+            Some(e) if !self.nodes.any_refused() => e,
+            Some(e) => TransportError::Unavailable { method, message: format!("{e}; {}", self.nodes.none_usable()) },
+            None => TransportError::Unavailable { method, message: self.nodes.none_usable() },
+        })
+    }
+
+    /// Reads node `index`'s genesis hash if not yet known; whether the node may be used.
+    async fn check(&self, index: usize) -> Result<bool, TransportError> {
+        if let Some(usable) = self.nodes.usable(index) {
+            return Ok(usable);
+        }
+        let genesis = match self.call_node(index, "getblockhash", json!([0])).await? {
+            Ok(hash) => hash.as_str().unwrap_or("none").to_owned(),
+            Err(fault) => format!("none ({})", fault.message),
+        };
+        Ok(self.nodes.identified(index, &format!("genesis {genesis}")))
+    }
+
+    /// Sends to every usable node at once: the first acceptance, else the current node's refusal
+    /// (Core's code classifies it), else the last transport error.
+    async fn broadcast(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcFault>, TransportError> {
+        let order = self.nodes.order();
+        let sends = order.iter().map(|&index| {
+            let params = params.clone();
+            async move {
+                match self.check(index).await {
+                    Ok(true) => (index, Some(self.call_node(index, method, params).await)),
+                    Ok(false) => (index, None),
+                    Err(e) => (index, Some(Err(e))),
+                }
+            }
+        });
+        let answers = futures::future::join_all(sends).await;
+        let (mut refusal, mut last) = (None, None);
+        for (index, answer) in answers {
+            match answer {
+                Some(Ok(Ok(accepted))) => {
+                    self.nodes.answered(index);
+                    return Ok(Ok(accepted));
+                }
+                Some(Ok(Err(fault))) => {
+                    refusal.get_or_insert((index, fault));
+                }
+                Some(Err(e)) => last = Some(e),
+                None => {}
+            }
+        }
+        if let Some((index, fault)) = refusal {
+            self.nodes.answered(index);
+            return Ok(Err(fault));
+        }
+        Err(match last {
+            Some(e) if !self.nodes.any_refused() => e,
+            Some(e) => TransportError::Unavailable { method, message: format!("{e}; {}", self.nodes.none_usable()) },
+            None => TransportError::Unavailable { method, message: self.nodes.none_usable() },
+        })
+    }
+
+    /// One exchange with node `index`.
+    async fn call_node(
+        &self,
+        index: usize,
+        method: &'static str,
+        params: Value,
+    ) -> Result<Result<Value, RpcFault>, TransportError> {
         let body = json!({"jsonrpc": "1.0", "id": "custodian", "method": method, "params": params});
-        let mut request = self.http.post(&self.url).json(&body);
+        let mut request = self.http.post(self.nodes.url(index)).json(&body);
         if let Some((user, password)) = self.credentials(method)? {
             request = request.basic_auth(user, Some(password));
         }

@@ -8,6 +8,7 @@ pub mod btc_rpc;
 pub mod deposit_addresses;
 pub mod events;
 pub mod migrate;
+pub mod nodes;
 pub mod operator;
 pub mod ownership;
 pub mod pipeline;

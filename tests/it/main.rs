@@ -10,6 +10,7 @@ mod harness;
 mod ledger;
 mod lifecycle;
 mod lifecycle_eth;
+mod node_failover;
 mod ops;
 mod properties;
 mod serve;

@@ -13,16 +13,16 @@ use crate::harness::custodian;
 use crate::withdrawals::Harness;
 
 /// anvil's dev keys 1 and 2 (lanes a and b in the harness).
-const LANE_KEYS: [&str; 2] = [
+pub(crate) const LANE_KEYS: [&str; 2] = [
     "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d",
     "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a",
 ];
 
-struct Served {
-    child: Child,
+pub(crate) struct Served {
+    pub(crate) child: Child,
     stderr_log: std::path::PathBuf,
-    metrics: String,
-    grpc: String,
+    pub(crate) metrics: String,
+    pub(crate) grpc: String,
 }
 
 impl Served {
@@ -31,7 +31,7 @@ impl Served {
     }
 
     /// `serve` against `database_url` and the Ethereum node at `eth_url` (proxies, in fault tests).
-    fn start_at(database_url: &str, eth_url: &str, config: &std::path::Path, log: &str) -> Served {
+    pub(crate) fn start_at(database_url: &str, eth_url: &str, config: &std::path::Path, log: &str) -> Served {
         let stderr_log = std::env::temp_dir().join(format!("custodian-serve-{}-{log}.log", std::process::id()));
         let mut command = Command::new(env!("CARGO_BIN_EXE_custodian"));
         for (key, _) in std::env::vars() {
@@ -65,7 +65,7 @@ impl Served {
         Served { child, stderr_log, metrics, grpc }
     }
 
-    fn terminate(mut self) -> (i32, String) {
+    pub(crate) fn terminate(mut self) -> (i32, String) {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
         assert!(sent.success());
@@ -77,7 +77,7 @@ impl Served {
 }
 
 /// A configuration file readable by its owner only (it holds keys).
-fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
+pub(crate) fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::temp_dir().join(format!("custodian-{}-{name}.toml", std::process::id()));
     std::fs::write(&path, contents).expect("config");
@@ -85,7 +85,7 @@ fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
     path
 }
 
-async fn http_get(address: &str, path: &str) -> String {
+pub(crate) async fn http_get(address: &str, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
     stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.expect("write");

@@ -126,7 +126,8 @@ pub struct EthNode {
 pub const NODE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl EthNode {
-    /// The node at `url`, every call bounded by [`NODE_TIMEOUT`].
+    /// The node at `url` (several, comma-separated: reads fail over, broadcasts go to all), every
+    /// call bounded by [`NODE_TIMEOUT`].
     pub fn new(url: &str) -> Result<EthNode, NodeError> {
         EthNode::with_timeout(url, NODE_TIMEOUT)
     }
@@ -135,12 +136,8 @@ impl EthNode {
     /// (retried later, that lane backed off), never a frozen worker.
     pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthNode, NodeError> {
         custodian_store::tls::install_crypto_provider();
-        let url = url.parse().map_err(|e| NodeError::Transport(format!("invalid Ethereum RPC URL: {e}")))?;
-        let http = alloy::transports::http::reqwest::Client::builder()
-            .timeout(timeout)
-            .build()
-            .map_err(|e| NodeError::Transport(format!("building the HTTP client: {e}")))?;
-        Ok(EthNode { client: RpcClient::new_http_with_client(http, url) })
+        let nodes = custodian_store::nodes::EthNodes::new(url, timeout).map_err(NodeError::Transport)?;
+        Ok(EthNode { client: nodes.client() })
     }
 
     async fn call<P, R>(&self, method: &'static str, params: P) -> Result<R, NodeError>
