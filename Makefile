@@ -12,7 +12,7 @@ export PATH := $(CURDIR)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 
 PSQL := psql -X -w -h 127.0.0.1 -p 5432 -U postgres -d postgres
 
-.PHONY: setup test demo bench clean-test-dbs
+.PHONY: setup test demo bench standby standby-remove clean-test-dbs
 
 setup:
 	bash scripts/setup.sh
@@ -27,6 +27,16 @@ demo: setup
 
 bench: setup
 	cargo bench --workspace --locked
+
+# A synchronous standby of the local server (5432) in .pgdata/standby on 5433; the ledger database
+# commits with synchronous_commit = remote_apply. Connect with
+# postgres://custodian_app@127.0.0.1:5432,127.0.0.1:5433/custodian?target_session_attrs=read-write
+standby: setup
+	bash scripts/pg_standby.sh standby $(CURDIR)/.pgdata/standby 5433 5432 custodian
+
+# Undo `make standby`: the local server commits locally again.
+standby-remove:
+	bash scripts/pg_standby.sh remove $(CURDIR)/.pgdata/standby 5432 custodian
 
 # Drop the per-test databases (custodian_t_*) that tests leave behind.
 clean-test-dbs:

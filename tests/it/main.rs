@@ -4,6 +4,7 @@ mod btc_withdrawals;
 mod cli;
 mod crash;
 mod deposits;
+mod failover;
 mod finance;
 mod forgeries;
 mod harness;
