@@ -157,8 +157,8 @@ pub enum Command {
         /// Continue after this position (from the beginning when absent).
         #[arg(long = "from")]
         from: Option<i64>,
-        /// At most this many facts.
-        #[arg(long, default_value_t = 1000)]
+        /// At most this many facts (1 to 10,000); a full page says where the next one starts.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
     },
     /// Hot wallets (withdrawal lanes).
@@ -238,6 +238,12 @@ pub enum Command {
         /// Only this chain.
         #[arg(long)]
         chain: Option<Chain>,
+        /// Only observations with a smaller id (the next page: the last id of the one before).
+        #[arg(long)]
+        before: Option<i64>,
+        /// At most this many (1 to 10,000), newest first.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
     },
 }
 

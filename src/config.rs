@@ -1,4 +1,4 @@
-//! The configuration file (`custodian.toml`, see `custodian.example.toml`). Every value can be
+//! The configuration file (`custodian.toml`, see `custodian.example.toml`). Settings with a flag can be
 //! overridden by a flag or a `CUSTODIAN_*` variable; secrets are `SecretString`s, which neither
 //! `Debug` nor logs can print.
 

@@ -6,7 +6,7 @@ use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
 /// Observations listed per call, newest first.
-pub const MAX_LISTED: i64 = 1000;
+pub const MAX_LISTED: i64 = 10_000;
 
 /// One deposit observation as read from the `deposit_status` view.
 #[derive(Debug, Clone, Serialize)]
@@ -69,17 +69,22 @@ select d.id, d.chain, d.tx_hash, d.output_index, d.block_hash, d.height, d.addre
   left join account acc on acc.id = d.account_id
  where ($1::bigint is null or d.account_id = $1)
    and ($2::text is null or d.chain = $2)
- order by d.height desc, d.id desc
+   and ($4::bigint is null or d.id < $4)
+ order by d.id desc
  limit $3";
 
-/// Lists observations, optionally for one account and one chain, newest first.
+/// Lists observations, optionally for one account and one chain, newest first, at most `limit`
+/// (clamped to 1..=[`MAX_LISTED`]) with ids below `before`: the next page starts before the last
+/// id of this one.
 pub async fn list<C: GenericClient>(
     client: &C,
     account_id: Option<i64>,
     chain: Option<Chain>,
+    before: Option<i64>,
+    limit: i64,
 ) -> Result<Vec<DepositView>, tokio_postgres::Error> {
     let chain = chain.map(Chain::as_str);
-    let rows = client.query(LIST, &[&account_id, &chain, &MAX_LISTED]).await?;
+    let rows = client.query(LIST, &[&account_id, &chain, &limit.clamp(1, MAX_LISTED), &before]).await?;
     Ok(rows
         .iter()
         .map(|r| {

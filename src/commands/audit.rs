@@ -61,6 +61,10 @@ pub async fn events(settings: &Settings, from: Option<i64>, limit: i64) -> Resul
         }
         Err(HistoryError::Database(e)) => return Err(anyhow::Error::new(e).context("reading the history")),
     };
+    let full = i64::try_from(facts.len()).is_ok_and(|n| n == limit);
+    if let Some(last) = facts.last().filter(|_| full) {
+        eprintln!("{limit} facts shown; the next page: --from {}", last.position);
+    }
     if settings.json {
         return super::print_json(&facts).map(|()| Exit::Success);
     }

@@ -7,15 +7,28 @@ use custodian_store::ownership;
 use crate::exit::{invalid, Exit};
 use crate::settings::Settings;
 
-pub async fn list(settings: &Settings, account: Option<&str>, chain: Option<Chain>) -> Result<Exit> {
+/// Observations newest first, a page at a time: a full page says on stderr where the next one
+/// starts (`--before`), so nothing is cut off silently.
+pub async fn list(
+    settings: &Settings,
+    account: Option<&str>,
+    chain: Option<Chain>,
+    before: Option<i64>,
+    limit: i64,
+) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let client = pool.get().await.context("taking a database connection")?;
     let account_id = match account {
         Some(key) => Some(ownership::find_account(&client, key).await.map_err(|e| invalid(e.to_string()))?.id),
         None => None,
     };
-    let deposits =
-        custodian_projections::deposits::list(&client, account_id, chain).await.context("listing deposits")?;
+    let deposits = custodian_projections::deposits::list(&client, account_id, chain, before, limit)
+        .await
+        .context("listing deposits")?;
+    let full = i64::try_from(deposits.len()).is_ok_and(|n| n == limit);
+    if let Some(last) = deposits.last().filter(|_| full) {
+        eprintln!("{limit} deposits shown; the next page: --before {}", last.id);
+    }
     if settings.json {
         return super::print_json(&deposits).map(|()| Exit::Success);
     }

@@ -39,7 +39,9 @@ pub async fn run(cli: Cli) -> Result<Exit> {
         Command::Scan { chain, once, from_height } => scan::scan(&settings, chain, once, from_height).await,
         Command::Rewind { chain, to_height } => scan::rewind(&settings, chain, to_height).await,
         Command::Reparse { chain, from_height } => scan::reparse(&settings, chain, from_height).await,
-        Command::Deposits { account, chain } => deposits::list(&settings, account.as_deref(), chain).await,
+        Command::Deposits { account, chain, before, limit } => {
+            deposits::list(&settings, account.as_deref(), chain, before, limit).await
+        }
         Command::Policy(PolicyCommand::Set { chain, asset, min_amount, confirmations }) => {
             ledger::policy_set(&settings, chain, &asset, &min_amount, confirmations).await
         }

@@ -205,3 +205,53 @@ async fn https_node_urls_work_for_both_chains_when_their_ca_is_trusted() {
     assert!(blocks >= 2, "both chains were read over TLS: {blocks} blocks");
     let _ = (std::fs::remove_file(trusted), std::fs::remove_file(untrusted));
 }
+
+/// Every `CUSTODIAN_*` variable the example configuration and the README promise is one the
+/// binary reads: a flag's variable (shown by `--help` of the command that takes it), or one of the
+/// few read by name in code (the log filter, per-lane key variables, the crash test's seed).
+#[test]
+fn every_variable_the_documentation_promises_exists() {
+    let mut help = String::new();
+    let top = crate::harness::custodian_env(&[], &["--help"]);
+    help.push_str(&top.stdout);
+    let commands: Vec<String> = top
+        .stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .filter(|c| c != "help")
+        .collect();
+    assert!(commands.len() > 10, "{}", top.stdout);
+    for command in &commands {
+        help.push_str(&crate::harness::custodian_env(&[], &[command, "--help"]).stdout);
+    }
+    let read_by_name: [(&str, &str); 5] = [
+        ("CUSTODIAN_LOG", include_str!("../../src/main.rs")),
+        ("CUSTODIAN_HOT_KEY_", include_str!("../../src/secrets.rs")),
+        ("CUSTODIAN_HOT_KEY_FILE_", include_str!("../../src/secrets.rs")),
+        ("CUSTODIAN_BTC_HOT_KEY_FILE_", include_str!("../../src/commands/withdraw.rs")),
+        ("CUSTODIAN_CRASH_SEED", include_str!("crash.rs")),
+    ];
+    let documents = [include_str!("../../custodian.example.toml"), include_str!("../../README.md")];
+    let mut promised: Vec<&str> = documents
+        .iter()
+        .flat_map(|d| d.match_indices("CUSTODIAN_").map(move |(i, _)| &d[i..]))
+        .map(|rest| {
+            let end =
+                rest.find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')).unwrap_or(rest.len());
+            &rest[..end]
+        })
+        .filter(|name| name.len() > "CUSTODIAN_".len())
+        .collect();
+    promised.sort_unstable();
+    promised.dedup();
+    assert!(promised.len() > 15, "{promised:?}");
+    for name in promised {
+        let flagged = help.contains(&format!("[env: {name}")) || help.contains(&format!("[env: {name}="));
+        let by_name =
+            read_by_name.iter().any(|(known, source)| *known == name && source.contains(&format!("\"{known}")));
+        assert!(flagged || by_name, "{name} is documented but nothing reads it");
+    }
+}

@@ -153,3 +153,54 @@ async fn rewind_refuses_a_height_above_the_cursor() {
     assert_eq!(back.code, 0, "{}", back.stderr);
     assert_eq!(back.json(), json!({"chain": "eth", "previous_next_height": 4, "next_height": 1}));
 }
+
+#[tokio::test]
+async fn deposits_and_events_list_a_page_at_a_time_and_say_where_the_next_starts() {
+    let db = TestDb::new().await;
+    let url = db.url.expose();
+    let client = db.client().await;
+    let account: i64 =
+        client.query_one("insert into account (external_ref) values ('pager') returning id", &[]).await.unwrap().get(0);
+    for n in 0..5 {
+        custodian_testkit::fixtures::credit_eth(&client, account, n, 1_000 + u128::from(n)).await;
+    }
+    let mut seen = Vec::new();
+    let mut before: Option<String> = None;
+    for expected in [2, 2, 1] {
+        let mut args = vec!["deposits", "--limit", "2", "--json"];
+        if let Some(b) = &before {
+            args.extend(["--before", b.as_str()]);
+        }
+        let page = custodian(url, &args);
+        assert_eq!(page.code, 0, "{}", page.stderr);
+        let ids: Vec<i64> = page.json().as_array().unwrap().iter().map(|d| d["id"].as_i64().unwrap()).collect();
+        assert_eq!(ids.len(), expected, "{}", page.stdout);
+        if expected == 2 {
+            let hint = format!("the next page: --before {}", ids[1]);
+            assert!(page.stderr.contains(&hint), "a full page says where the next starts: {}", page.stderr);
+        } else {
+            assert!(!page.stderr.contains("next page"), "a short page is the last: {}", page.stderr);
+        }
+        before = ids.last().map(i64::to_string);
+        seen.extend(ids);
+    }
+    let mut sorted = seen.clone();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    sorted.dedup();
+    assert_eq!(seen, sorted, "newest first, none twice");
+    assert_eq!(seen.len(), 5, "every deposit on some page");
+    assert_eq!(custodian(url, &["deposits", "--limit", "0"]).code, 2);
+
+    // The history shows facts once final (no older transaction still running anywhere).
+    let events = custodian_testkit::eventually("the facts are final", std::time::Duration::from_secs(30), || async {
+        let events = custodian(url, &["events", "--limit", "3", "--json"]);
+        assert_eq!(events.code, 0, "{}", events.stderr);
+        (events.json().as_array().unwrap().len() == 3).then_some(events)
+    })
+    .await;
+    let last = events.json().as_array().unwrap().last().unwrap()["position"].as_i64().unwrap();
+    assert!(events.stderr.contains(&format!("the next page: --from {last}")), "{}", events.stderr);
+    let next = custodian(url, &["events", "--from", &last.to_string(), "--limit", "3", "--json"]);
+    assert_eq!(next.code, 0, "{}", next.stderr);
+    assert!(next.json().as_array().unwrap().iter().all(|f| f["position"].as_i64() != Some(last)));
+}
