@@ -1117,3 +1117,34 @@ async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     assert!(lanes.iter().any(|l| l.pause_reason.is_some()), "a lane paused: {lanes:?}");
 }
+
+#[tokio::test]
+async fn a_burst_is_signed_broadcast_and_settled_in_a_few_passes_with_batched_node_calls() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 100 * ETHER).await;
+    let total = 300u64;
+    for n in 0..total {
+        h.request(alice, &format!("burst-{n}"), &format!("0x{:040x}", 0xbb00_0000u64 + n), 1_000 + u128::from(n))
+            .await
+            .unwrap();
+    }
+    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    let worker = Worker::new(
+        h.db.pool.clone(),
+        EthNode::new(&proxy.url).unwrap(),
+        h.signers.clone(),
+        WorkerConfig { confirmations: 1, ..WorkerConfig::default() },
+    );
+    let first = worker.pass().await.unwrap();
+    assert_eq!((first.signed, first.broadcast), (total, total), "the whole burst in one pass: {first:?}");
+    let calls = proxy.requests();
+    assert!(calls < 40, "{calls} node requests for {total} withdrawals: batched, not one per withdrawal");
+    h.mine(2).await;
+    let second = worker.pass().await.unwrap();
+    assert_eq!((second.mined, second.confirmed), (total, total), "{second:?}");
+    assert!(proxy.requests() - calls < 40, "settling {total} took {} node requests", proxy.requests() - calls);
+    for n in [0, total / 2, total - 1] {
+        assert_eq!(h.balance(&format!("0x{:040x}", 0xbb00_0000u64 + n)).await, U256::from(1_000 + u128::from(n)));
+    }
+    h.verify().await;
+}

@@ -145,14 +145,75 @@ impl EthNode {
         P: alloy::rpc::json_rpc::RpcSend,
         R: alloy::rpc::json_rpc::RpcRecv,
     {
-        self.client.request(method, params).await.map_err(|e| match e {
-            RpcError::ErrorResp(payload) => {
-                NodeError::Rpc { method, code: payload.code, message: payload.message.to_string() }
+        self.client.request(method, params).await.map_err(|e| node_error(method, e))
+    }
+
+    /// The same call for each of `params`, in JSON-RPC batches of at most [`BATCH`]: one round
+    /// trip per batch. Each answer keeps its own error (a refused broadcast among accepted ones);
+    /// a batch that got no answer at all is the outer error.
+    async fn batch<P, R>(&self, method: &'static str, params: &[P]) -> Result<Vec<Result<R, NodeError>>, NodeError>
+    where
+        P: alloy::rpc::json_rpc::RpcSend,
+        R: alloy::rpc::json_rpc::RpcRecv,
+    {
+        let mut answers = Vec::with_capacity(params.len());
+        for chunk in params.chunks(BATCH) {
+            if let [one] = chunk {
+                // One call needs no batch (and a node without batch support still serves it).
+                answers.push(match self.call::<_, R>(method, one.clone()).await {
+                    Err(NodeError::Transport(e)) => return Err(NodeError::Transport(e)),
+                    answer => answer,
+                });
+                continue;
             }
-            RpcError::DeserError { .. } => NodeError::Malformed(method),
-            RpcError::NullResp => NodeError::Malformed(method),
-            other => NodeError::Transport(other.to_string()),
-        })
+            let mut batch = self.client.new_batch();
+            let waiters = chunk
+                .iter()
+                .map(|p| batch.add_call::<_, R>(method, p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| node_error(method, e))?;
+            batch.send().await.map_err(|e| node_error(method, e))?;
+            for waiter in waiters {
+                answers.push(waiter.await.map_err(|e| node_error(method, e)));
+            }
+        }
+        Ok(answers)
+    }
+
+    /// The receipts of `hashes` (`None` where not mined), in batches.
+    pub async fn receipts(&self, hashes: &[B256]) -> Result<Vec<Option<Receipt>>, NodeError> {
+        let params: Vec<(B256,)> = hashes.iter().map(|h| (*h,)).collect();
+        self.batch::<_, Option<RpcReceipt>>("eth_getTransactionReceipt", &params)
+            .await?
+            .into_iter()
+            .map(|answer| answer.map(|r| r.map(receipt_of)))
+            .collect()
+    }
+
+    /// Whether the node knows each of `hashes` (in its pool or mined), in batches.
+    pub async fn knows_all(&self, hashes: &[B256]) -> Result<Vec<bool>, NodeError> {
+        let params: Vec<(B256,)> = hashes.iter().map(|h| (*h,)).collect();
+        self.batch::<_, Option<serde_json::Value>>("eth_getTransactionByHash", &params)
+            .await?
+            .into_iter()
+            .map(|answer| answer.map(|tx| tx.is_some_and(|v| !v.is_null())))
+            .collect()
+    }
+
+    /// Whether each of `addresses` holds contract code at the latest block, in batches.
+    pub async fn have_code(&self, addresses: &[Address]) -> Result<Vec<bool>, NodeError> {
+        let params: Vec<(Address, &str)> = addresses.iter().map(|a| (*a, "latest")).collect();
+        self.batch::<_, Bytes>("eth_getCode", &params)
+            .await?
+            .into_iter()
+            .map(|answer| answer.map(|code| !code.is_empty()))
+            .collect()
+    }
+
+    /// `eth_sendRawTransaction` of each of `raws`, in batches, in order; each answer on its own.
+    pub async fn send_raw_all(&self, raws: &[&[u8]]) -> Result<Vec<Result<B256, NodeError>>, NodeError> {
+        let params: Vec<(Bytes,)> = raws.iter().map(|raw| (Bytes::copy_from_slice(raw),)).collect();
+        self.batch("eth_sendRawTransaction", &params).await
     }
 
     /// `eth_chainId`.
@@ -199,13 +260,7 @@ impl EthNode {
     /// The receipt of `hash`, if mined.
     pub async fn receipt(&self, hash: B256) -> Result<Option<Receipt>, NodeError> {
         let receipt: Option<RpcReceipt> = self.call("eth_getTransactionReceipt", (hash,)).await?;
-        Ok(receipt.map(|r| Receipt {
-            success: r.status == Some(U64::from(1)),
-            block_hash: r.block_hash,
-            block_number: r.block_number.to::<u64>(),
-            fee: r.gas_used.saturating_mul(r.effective_gas_price),
-            logs: r.logs,
-        }))
+        Ok(receipt.map(receipt_of))
     }
 
     /// `eth_getTransactionByHash`.
@@ -291,5 +346,29 @@ impl EthNode {
     pub async fn block_hash(&self, number: u64) -> Result<Option<B256>, NodeError> {
         let header: Option<RpcHeader> = self.call("eth_getBlockByNumber", (format!("0x{number:x}"), false)).await?;
         Ok(header.map(|h| h.hash))
+    }
+}
+
+/// Calls per JSON-RPC batch at most (nodes commonly cap batches at 1,000 calls or a body size).
+pub const BATCH: usize = 200;
+
+fn node_error(method: &'static str, error: RpcError<alloy::transports::TransportErrorKind>) -> NodeError {
+    match error {
+        RpcError::ErrorResp(payload) => {
+            NodeError::Rpc { method, code: payload.code, message: payload.message.to_string() }
+        }
+        RpcError::DeserError { .. } => NodeError::Malformed(method),
+        RpcError::NullResp => NodeError::Malformed(method),
+        other => NodeError::Transport(other.to_string()),
+    }
+}
+
+fn receipt_of(r: RpcReceipt) -> Receipt {
+    Receipt {
+        success: r.status == Some(U64::from(1)),
+        block_hash: r.block_hash,
+        block_number: r.block_number.to::<u64>(),
+        fee: r.gas_used.saturating_mul(r.effective_gas_price),
+        logs: r.logs,
     }
 }

@@ -211,37 +211,64 @@ select w.id, w.asset, w.amount, a.raw_tx
   from withdrawal w join withdrawal_attempt a on a.withdrawal_id = w.id
  where w.chain = 'eth' and w.lane = $1 and w.state in ('signed', 'broadcast', 'cancel_requested')";
 
+/// Allocation batches one lane signs in a pass at most (with the default batch of 64: 2,048).
+const MAX_BATCHES_PER_PASS: usize = 32;
+
 impl Worker {
-    /// Simulates what needs it, then allocates consecutive nonces and signs in one transaction.
-    /// Withdrawals the hot wallet cannot cover (after what is already in flight) wait, oldest
-    /// first, and the lane reports the shortage; they are never rejected for our own shortage.
+    /// Simulates what needs it, then allocates consecutive nonces and signs, a batch per
+    /// transaction: the backlog (up to [`MAX_BATCHES_PER_PASS`] batches) is priced and its funds
+    /// read once, so a burst is signed in one pass. Withdrawals the hot wallet cannot cover
+    /// (after what is already in flight) wait, oldest first, and the lane reports the shortage;
+    /// they are never rejected for our own shortage. Returns how many were signed.
     pub(super) async fn allocate(
         &self,
         lane: &Lane,
         signer: &dyn Signer,
         chain_id: u64,
         report: &mut PassReport,
-    ) -> Result<(), WorkError> {
+    ) -> Result<usize, WorkError> {
         let client = self.pool.get().await?;
         let mut candidates = sql::in_states(&client, &lane.lane, &[WithdrawalState::Requested]).await?;
-        candidates.truncate(usize::try_from(self.config.batch_size).expect("BUG: negative batch"));
+        let batch = usize::try_from(self.config.batch_size).expect("BUG: negative batch").max(1);
+        candidates.truncate(batch.saturating_mul(MAX_BATCHES_PER_PASS));
         if candidates.is_empty() {
             self.set_shortage(lane, None).await?;
-            return Ok(());
+            return Ok(0);
         }
         let (base, tip) = self.node.fees().await?;
         let (max_fee, priority_fee) = fresh_fees(base, tip, self.config.max_fee_per_gas_wei);
         let head = self.node.block_number().await?;
         let mut funds = self.funds(lane, signer.address()).await?;
+        let mut loaded = Vec::with_capacity(candidates.len());
+        for id in &candidates {
+            loaded.push((*id, sql::load(&client, *id).await?));
+        }
+        // Whether each plain-ether destination holds code, in one batch: an address without code
+        // costs exactly 21,000 gas and needs no simulation.
+        let plain: Vec<Address> = loaded
+            .iter()
+            .filter_map(|(_, w)| w.as_ref())
+            .map(payout_call)
+            .filter(|c| c.data.is_empty())
+            .map(|c| c.to)
+            .collect();
+        let mut codes = match self.node.have_code(&plain).await {
+            Ok(codes) => codes.into_iter(),
+            Err(e) => {
+                tracing::warn!(lane = %lane.lane, "reading the destinations' code failed, retried next pass: {e}");
+                return Ok(0);
+            }
+        };
         let mut gas = HashMap::new();
         let mut short = None;
-        for id in &candidates {
+        for (id, w) in loaded {
             // A row without events is tampering: the allocation below reviews it.
-            let Some(w) = sql::load(&client, *id).await? else {
-                gas.insert(*id, TRANSFER_GAS);
+            let Some(w) = w else {
+                gas.insert(id, TRANSFER_GAS);
                 continue;
             };
             let call = payout_call(&w);
+            let has_code = call.data.is_empty() && codes.next().expect("BUG: one answer per plain payout");
             if let Some(token) = token_of(&w.asset) {
                 let left = self.token_left(&mut funds, &w.asset, token, signer.address()).await?;
                 if left < w.amount.units() {
@@ -252,7 +279,7 @@ impl Worker {
                     break;
                 }
             }
-            let Some(limit) = self.simulate(signer.address(), &w, &call, report).await? else { continue };
+            let Some(limit) = self.simulate(signer.address(), &w, &call, has_code, report).await? else { continue };
             let cost = call.value.saturating_add(U256::from(limit).saturating_mul(max_fee));
             if funds.ether < cost {
                 short = Some(format!(
@@ -267,7 +294,7 @@ impl Worker {
                 let left = funds.tokens.get_mut(&w.asset).expect("BUG: token funds read above");
                 *left -= w.amount.units();
             }
-            gas.insert(*id, limit);
+            gas.insert(id, limit);
         }
         drop(client);
         if let Some(reason) = &short {
@@ -277,31 +304,29 @@ impl Worker {
         let pricing = Pricing { chain_id, max_fee, priority_fee, head };
         let mut ready: Vec<(i64, u64)> = gas.into_iter().collect();
         ready.sort_unstable();
-        report.signed += self.sign_batch(lane, signer, &pricing, &ready).await?;
-        Ok(())
+        let mut signed = 0;
+        for chunk in ready.chunks(batch) {
+            signed += self.sign_batch(lane, signer, &pricing, chunk).await?;
+        }
+        report.signed += signed;
+        Ok(usize::try_from(signed).unwrap_or(0))
     }
 
     /// The gas limit for `w`'s payout, or `None` when it is not to be signed this pass (rejected
     /// by a deterministic simulation failure, or the simulation could not be run). Plain ether to
-    /// an address without code costs exactly 21,000 gas; to a contract (a Safe, an exchange's
-    /// deposit contract) its receive code runs and is simulated, as is every token transfer,
-    /// whose return value must not be `false`.
+    /// an address without code (`has_code` false) costs exactly 21,000 gas; to a contract (a Safe,
+    /// an exchange's deposit contract) its receive code runs and is simulated, as is every token
+    /// transfer, whose return value must not be `false`.
     async fn simulate(
         &self,
         from: Address,
         w: &Withdrawal,
         call: &payout::Call,
+        has_code: bool,
         report: &mut PassReport,
     ) -> Result<Option<u64>, WorkError> {
-        if call.data.is_empty() {
-            match self.node.has_code(call.to).await {
-                Ok(false) => return Ok(Some(TRANSFER_GAS)),
-                Ok(true) => {}
-                Err(e) => {
-                    tracing::warn!(withdrawal = w.id, "reading the destination's code failed, retried next pass: {e}");
-                    return Ok(None);
-                }
-            }
+        if call.data.is_empty() && !has_code {
+            return Ok(Some(TRANSFER_GAS));
         }
         let refusal = match self.node.call_at_latest(from, call.to, call.value, &call.data).await {
             Ok(returned) if call.data.is_empty() || payout::transfer_returned_true(&returned) => None,

@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 
+use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
 
-use super::{PassReport, WorkError, Worker, UNMINED};
+use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
 use crate::sql;
 
@@ -33,32 +34,60 @@ const UNDERPRICED: [&str; 5] = [
 impl Worker {
     /// Sends stored bytes: first broadcasts, and again whenever the node no longer knows them.
     /// The attempt sent is the live one: the latest signed, or after a reorg the one that had
-    /// mined. Returns the withdrawals whose live attempt the node refused as underpriced, with
-    /// that attempt's hash.
+    /// mined. One nonce count per lane says which are mined already (settlement's, not sent);
+    /// the node is asked whether it knows the rest, and sent what it lacks, in JSON-RPC batches.
+    /// Returns the withdrawals whose live attempt the node refused as underpriced, with that
+    /// attempt's hash.
     pub(super) async fn broadcast(
         &self,
         lane: &Lane,
         report: &mut PassReport,
     ) -> Result<HashMap<i64, String>, WorkError> {
+        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
         let head = self.node.block_number().await?;
+        let mined = self.node.nonce(address, false).await?;
         let client = self.pool.get().await?;
         let ids = sql::in_states(&client, &lane.lane, &UNMINED).await?;
-        let mut refused = HashMap::new();
+        // (withdrawal, first broadcast, live attempt) for every withdrawal whose nonce is open.
+        let mut open = Vec::new();
         for id in ids {
             let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
-            let attempts = sql::attempts(&client, id).await?;
-            let Some(live) = super::replacement::live(&w, &attempts) else { continue };
-            let hash = live.tx_hash.parse().expect("BUG: stored hash");
-            if w.state != WithdrawalState::Signed && self.node.knows(hash).await? {
+            if w.nonce.is_some_and(|nonce| nonce < mined) {
                 continue;
             }
-            match self.send(lane, &live.raw, report).await? {
-                Sent::Accepted if w.state == WithdrawalState::Signed => {
-                    let event = WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(head) };
-                    if self.record(id, |w| w.state == WithdrawalState::Signed, event, &[]).await? {
-                        report.broadcast += 1;
-                    }
-                }
+            let attempts = sql::attempts(&client, id).await?;
+            let Some(live) = super::replacement::live(&w, &attempts) else { continue };
+            open.push((id, w.state == WithdrawalState::Signed, live.clone()));
+        }
+        drop(client);
+        let sent_before: Vec<B256> = open
+            .iter()
+            .filter(|(_, first, _)| !first)
+            .map(|(_, _, a)| a.tx_hash.parse().expect("BUG: stored hash"))
+            .collect();
+        let mut known = self.node.knows_all(&sent_before).await?.into_iter();
+        let to_send: Vec<_> = open
+            .into_iter()
+            .filter(|(_, first, _)| *first || !known.next().expect("BUG: one answer per hash"))
+            .collect();
+        let raws: Vec<&[u8]> = to_send.iter().map(|(_, _, a)| a.raw.as_slice()).collect();
+        let answers = match self.node.send_raw_all(&raws).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                tracing::warn!(lane = %lane.lane, "broadcasts got no answer, sent again next pass: {e}");
+                return Ok(HashMap::new());
+            }
+        };
+        let mut refused = HashMap::new();
+        let mut broadcast = Vec::new();
+        for ((id, first, live), answer) in to_send.into_iter().zip(answers) {
+            match self.classify(lane, answer, report).await? {
+                Sent::Accepted if first => broadcast.push(Recording {
+                    id,
+                    still: Box::new(|w| w.state == WithdrawalState::Signed),
+                    event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(head) },
+                    movements: Vec::new(),
+                }),
                 Sent::Accepted => {
                     tracing::info!(withdrawal = id, tx = %live.tx_hash, "the node had lost the attempt; sent the same bytes again");
                     report.rebroadcast += 1;
@@ -69,12 +98,19 @@ impl Worker {
                 Sent::Pending => {}
             }
         }
+        let recorded = super::record_all(&self.pool, broadcast).await?;
+        report.broadcast += recorded.iter().filter(|r| **r).count() as u64;
         Ok(refused)
     }
 
-    /// Sends bytes and classifies the node's answer (DESIGN §7.4).
-    pub(super) async fn send(&self, lane: &Lane, raw: &[u8], report: &mut PassReport) -> Result<Sent, WorkError> {
-        match self.node.send_raw(raw).await {
+    /// Classifies the node's answer to a broadcast (DESIGN §7.4).
+    pub(super) async fn classify(
+        &self,
+        lane: &Lane,
+        answer: Result<B256, crate::rpc::NodeError>,
+        report: &mut PassReport,
+    ) -> Result<Sent, WorkError> {
+        match answer {
             Ok(_) => Ok(Sent::Accepted),
             Err(e) => {
                 let message = e.message();

@@ -202,6 +202,69 @@ pub(crate) async fn record(
     Ok(true)
 }
 
+/// One event to record with [`record_all`]: what [`record`] takes, for one withdrawal.
+pub(crate) struct Recording {
+    pub(crate) id: i64,
+    pub(crate) still: Box<dyn Fn(&Withdrawal) -> bool + Send + Sync>,
+    pub(crate) event: WithdrawalEvent,
+    pub(crate) movements: Vec<(Movement, Amount)>,
+}
+
+/// Events recorded per transaction by [`record_all`].
+const RECORD_BATCH: usize = 250;
+
+/// [`record`] for many withdrawals at once: one transaction per [`RECORD_BATCH`] of them, their
+/// rows locked in id order (as every writer locks them, so two never wait on each other in a
+/// cycle), each appended only if it still passes its check. A batch whose transaction fails is
+/// recorded one by one instead, so one withdrawal's conflict never loses another's event.
+/// Returns, in the order given, whether each was recorded.
+///
+/// # Cancel safety
+/// One transaction per batch; cancelled, the batch in progress writes nothing.
+pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec<bool>, WorkError> {
+    let mut recorded = vec![false; items.len()];
+    let mut order: Vec<(usize, Recording)> = items.into_iter().enumerate().collect();
+    order.sort_by_key(|(_, item)| item.id);
+    for chunk in order.chunks(RECORD_BATCH) {
+        let mut client = pool.get().await?;
+        let attempt: Result<Vec<(usize, &'static str)>, WorkError> = async {
+            let tx = client.transaction().await?;
+            let mut done = Vec::new();
+            for (index, item) in chunk {
+                let mut w = sql::lock(&tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
+                if !(item.still)(&w) {
+                    continue;
+                }
+                let state = item.event.event_type();
+                sql::append(&tx, &mut w, item.event.clone()).await?;
+                for (movement, fee) in &item.movements {
+                    sql::post(&tx, &w, *movement, *fee).await?;
+                }
+                done.push((*index, state));
+            }
+            tx.commit().await?;
+            Ok(done)
+        }
+        .await;
+        drop(client);
+        match attempt {
+            Ok(done) => {
+                for (index, state) in done {
+                    recorded[index] = true;
+                    metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
+                }
+            }
+            Err(e) => {
+                tracing::info!("recording {} events together failed ({e}); recording them one by one", chunk.len());
+                for (index, item) in chunk {
+                    recorded[*index] = record(pool, item.id, &item.still, item.event.clone(), &item.movements).await?;
+                }
+            }
+        }
+    }
+    Ok(recorded)
+}
+
 /// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].
 const LANE_FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
 /// Longest wait between tries of a failing lane.

@@ -2,11 +2,11 @@
 //! did compared with the intents, confirmation depth, receipts of tokens, reorgs; and the cursor
 //! check against the chain's pending nonce.
 
-use alloy_primitives::Address;
+use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
 
-use super::{PassReport, WorkError, Worker, UNMINED};
+use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
 use crate::payout::{self, cancel_call, classify, hex, payout_call, token_of, token_paid};
 use crate::rpc::Receipt;
@@ -26,30 +26,43 @@ impl Worker {
         let mined_count = self.node.nonce_at(address, head).await?;
         let client = self.pool.get().await?;
         let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
+        // Receipts only for the nonces the count says are used, every attempt's in one batch.
+        let mut used = Vec::new();
         for id in waiting {
             let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
             let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else {
                 self.clear_suspect(id);
                 continue;
             };
+            used.push((id, nonce, sql::attempts(&client, id).await?));
+        }
+        let hashes: Vec<B256> = used
+            .iter()
+            .flat_map(|(_, _, attempts)| attempts.iter().map(|a| a.tx_hash.parse().expect("BUG: stored hash")))
+            .collect();
+        let mut receipts = self.node.receipts(&hashes).await?.into_iter();
+        let mut mined_now = Vec::new();
+        for (id, nonce, attempts) in used {
             let mut found = None;
-            for attempt in sql::attempts(&client, id).await? {
-                if let Some(receipt) = self.node.receipt(attempt.tx_hash.parse().expect("BUG: stored hash")).await? {
+            for attempt in attempts {
+                let receipt = receipts.next().expect("BUG: one receipt per hash");
+                if let (None, Some(receipt)) = (&found, receipt) {
                     found = Some((attempt, receipt));
-                    break;
                 }
             }
             match found {
                 Some((attempt, receipt)) => {
                     self.clear_suspect(id);
-                    let event = WithdrawalEvent::Mined {
-                        tx_hash: attempt.tx_hash,
-                        block_hash: hex(receipt.block_hash),
-                        block_number: receipt.block_number,
-                    };
-                    if self.record(id, |w| UNMINED.contains(&w.state), event, &[]).await? {
-                        report.mined += 1;
-                    }
+                    mined_now.push(Recording {
+                        id,
+                        still: Box::new(|w| UNMINED.contains(&w.state)),
+                        event: WithdrawalEvent::Mined {
+                            tx_hash: attempt.tx_hash,
+                            block_hash: hex(receipt.block_hash),
+                            block_number: receipt.block_number,
+                        },
+                        movements: Vec::new(),
+                    });
                 }
                 None if self.node.block_hash(head).await? != head_hash => {
                     tracing::info!(withdrawal = id, "the chain moved while settling; looked at again next pass");
@@ -85,15 +98,26 @@ impl Worker {
                 }
             }
         }
+        let recorded = super::record_all(&self.pool, mined_now).await?;
+        report.mined += recorded.iter().filter(|r| **r).count() as u64;
+        let mut mined = Vec::new();
         for id in sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await? {
-            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+            mined.push(sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events"));
+        }
+        let hashes: Vec<B256> = mined
+            .iter()
+            .map(|w| w.tx_hash.as_deref().expect("BUG: mined without a hash").parse().expect("BUG: stored hash"))
+            .collect();
+        let receipts = self.node.receipts(&hashes).await?;
+        let mut settled = Vec::new();
+        for (w, receipt) in mined.into_iter().zip(receipts) {
+            let id = w.id;
             let tx_hash = w.tx_hash.clone().expect("BUG: mined without a hash");
             let mined_in = w.mined_block_hash.clone().expect("BUG: mined without a block");
             let expected = mined_in.clone();
             let still_mined_there = move |w: &Withdrawal| {
                 w.state == WithdrawalState::Mined && w.mined_block_hash.as_deref() == Some(expected.as_str())
             };
-            let receipt = self.node.receipt(tx_hash.parse().expect("BUG: stored hash")).await?;
             let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
                 // Unmined only when the chain no longer has that block at that height: a node that
                 // lost a receipt (a lagging replica, an answer from a stale block) is not a reorg.
@@ -117,23 +141,32 @@ impl Worker {
             let attempts = sql::attempts(&client, id).await?;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
             let (event, movements) = outcome(&w, address, mined, &receipt, &mined_in);
-            let counter = match &event {
-                WithdrawalEvent::Cancelled { .. } => &mut report.cancelled,
-                WithdrawalEvent::Confirmed { .. } => &mut report.confirmed,
-                WithdrawalEvent::FailedOnchain { .. } => &mut report.failed_onchain,
-                _ => &mut report.needs_review,
-            };
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
-            let review = matches!(&event, WithdrawalEvent::NeedsReview { .. });
-            if self.record(id, &still_mined_there, event, &movements).await? {
-                *counter += 1;
-                if short_paid {
-                    report.short_paid += 1;
-                }
-                if review {
-                    self.pause(lane, "a mined attempt pays something no intent of its withdrawal asked for", report)
-                        .await?;
-                }
+            settled.push((
+                Recording { id, still: Box::new(still_mined_there), event: event.clone(), movements },
+                event,
+                short_paid,
+            ));
+        }
+        let (recordings, outcomes): (Vec<_>, Vec<_>) =
+            settled.into_iter().map(|(recording, event, short_paid)| (recording, (event, short_paid))).unzip();
+        let recorded = super::record_all(&self.pool, recordings).await?;
+        for ((event, short_paid), done) in outcomes.into_iter().zip(recorded) {
+            if !done {
+                continue;
+            }
+            match &event {
+                WithdrawalEvent::Cancelled { .. } => report.cancelled += 1,
+                WithdrawalEvent::Confirmed { .. } => report.confirmed += 1,
+                WithdrawalEvent::FailedOnchain { .. } => report.failed_onchain += 1,
+                _ => report.needs_review += 1,
+            }
+            if short_paid {
+                report.short_paid += 1;
+            }
+            if matches!(&event, WithdrawalEvent::NeedsReview { .. }) {
+                self.pause(lane, "a mined attempt pays something no intent of its withdrawal asked for", report)
+                    .await?;
             }
         }
         self.reorged_past_depth(lane, &client, head, mined_count, report).await?;
