@@ -145,6 +145,25 @@ pub async fn load<C: GenericClient>(client: &C, id: i64) -> Result<Option<Withdr
     Ok(Withdrawal::fold(id, &events(client, id).await?))
 }
 
+/// [`load`] for each of `ids` in one query, in the order given.
+pub async fn load_many<C: GenericClient>(
+    client: &C,
+    ids: &[i64],
+) -> Result<Vec<Option<Withdrawal>>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "select withdrawal_id, event_type, payload from withdrawal_event where withdrawal_id = any($1)
+              order by withdrawal_id, seq",
+            &[&ids],
+        )
+        .await?;
+    let mut streams: std::collections::HashMap<i64, Vec<WithdrawalEvent>> = std::collections::HashMap::new();
+    for r in &rows {
+        streams.entry(r.get(0)).or_default().push(event_from_row(r.get(1), &r.get(2)));
+    }
+    Ok(ids.iter().map(|id| streams.get(id).and_then(|events| Withdrawal::fold(*id, events))).collect())
+}
+
 /// The kinds of transfer a withdrawal makes, each keyed `withdrawal:{id}:{kind}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Movement {
@@ -281,6 +300,25 @@ pub struct Attempt {
     pub max_fee: U256,
 }
 
+/// [`attempts`] for each of `ids` in one query, in the order given.
+pub async fn attempts_many<C: GenericClient>(
+    client: &C,
+    ids: &[i64],
+) -> Result<Vec<Vec<Attempt>>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "select withdrawal_id, tx_hash, kind, intent, raw_tx, max_fee from withdrawal_attempt
+              where withdrawal_id = any($1) order by withdrawal_id, created_at, tx_hash",
+            &[&ids],
+        )
+        .await?;
+    let mut by_id: std::collections::HashMap<i64, Vec<Attempt>> = std::collections::HashMap::new();
+    for r in &rows {
+        by_id.entry(r.get(0)).or_default().push(attempt_from_row(r, 1));
+    }
+    Ok(ids.iter().map(|id| by_id.remove(id).unwrap_or_default()).collect())
+}
+
 /// Every attempt of `id`, oldest first.
 pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attempt>, tokio_postgres::Error> {
     let rows = client
@@ -290,16 +328,18 @@ pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attem
             &[&id],
         )
         .await?;
-    Ok(rows
-        .iter()
-        .map(|r| Attempt {
-            tx_hash: r.get(0),
-            kind: r.get(1),
-            intent: if r.get::<_, &str>(2) == "cancel" { Intent::Cancel } else { Intent::Payout },
-            raw: r.get(3),
-            max_fee: r.get(4),
-        })
-        .collect())
+    Ok(rows.iter().map(|r| attempt_from_row(r, 0)).collect())
+}
+
+/// An attempt from `tx_hash, kind, intent, raw_tx, max_fee` starting at column `at`.
+fn attempt_from_row(r: &tokio_postgres::Row, at: usize) -> Attempt {
+    Attempt {
+        tx_hash: r.get(at),
+        kind: r.get(at + 1),
+        intent: if r.get::<_, &str>(at + 2) == "cancel" { Intent::Cancel } else { Intent::Payout },
+        raw: r.get(at + 3),
+        max_fee: r.get(at + 4),
+    }
 }
 
 /// A signed payload to record: how it came to be, what it does, its bytes and fees.

@@ -239,10 +239,8 @@ impl Worker {
         let (max_fee, priority_fee) = fresh_fees(base, tip, self.config.max_fee_per_gas_wei);
         let head = self.node.block_number().await?;
         let mut funds = self.funds(lane, signer.address()).await?;
-        let mut loaded = Vec::with_capacity(candidates.len());
-        for id in &candidates {
-            loaded.push((*id, sql::load(&client, *id).await?));
-        }
+        let loaded: Vec<(i64, Option<Withdrawal>)> =
+            candidates.iter().copied().zip(sql::load_many(&client, &candidates).await?).collect();
         // Whether each plain-ether destination holds code, in one batch: an address without code
         // costs exactly 21,000 gas and needs no simulation.
         let plain: Vec<Address> = loaded

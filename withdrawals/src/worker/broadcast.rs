@@ -49,13 +49,14 @@ impl Worker {
         let client = self.pool.get().await?;
         let ids = sql::in_states(&client, &lane.lane, &UNMINED).await?;
         // (withdrawal, first broadcast, live attempt) for every withdrawal whose nonce is open.
+        let loaded = sql::load_many(&client, &ids).await?;
+        let attempts = sql::attempts_many(&client, &ids).await?;
         let mut open = Vec::new();
-        for id in ids {
-            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+        for ((id, w), attempts) in ids.into_iter().zip(loaded).zip(attempts) {
+            let w = w.expect("BUG: listed withdrawal has no events");
             if w.nonce.is_some_and(|nonce| nonce < mined) {
                 continue;
             }
-            let attempts = sql::attempts(&client, id).await?;
             let Some(live) = super::replacement::live(&w, &attempts) else { continue };
             open.push((id, w.state == WithdrawalState::Signed, live.clone()));
         }

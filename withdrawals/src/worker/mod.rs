@@ -23,6 +23,7 @@ use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
 use custodian_store::Pool;
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use tokio::sync::watch;
 
@@ -212,6 +213,8 @@ pub(crate) struct Recording {
 
 /// Events recorded per transaction by [`record_all`].
 const RECORD_BATCH: usize = 250;
+/// Withdrawals whose statements [`record_all`] keeps in flight at once on its connection.
+const RECORD_PIPELINE: usize = 32;
 
 /// [`record`] for many withdrawals at once: one transaction per [`RECORD_BATCH`] of them, their
 /// rows locked in id order (as every writer locks them, so two never wait on each other in a
@@ -228,22 +231,18 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
     for chunk in order.chunks(RECORD_BATCH) {
         let mut client = pool.get().await?;
         let attempt: Result<Vec<(usize, &'static str)>, WorkError> = async {
-            let tx = client.transaction().await?;
-            let mut done = Vec::new();
-            for (index, item) in chunk {
-                let mut w = sql::lock(&tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
-                if !(item.still)(&w) {
-                    continue;
-                }
-                let state = item.event.event_type();
-                sql::append(&tx, &mut w, item.event.clone()).await?;
-                for (movement, fee) in &item.movements {
-                    sql::post(&tx, &w, *movement, *fee).await?;
-                }
-                done.push((*index, state));
-            }
-            tx.commit().await?;
-            Ok(done)
+            let transaction = client.transaction().await?;
+            // The rows locked first, in id order, by one statement; then each withdrawal's
+            // statements run in order while different withdrawals' are pipelined on the one
+            // connection (their rows, streams and transfers are disjoint).
+            let ids: Vec<i64> = chunk.iter().map(|(_, item)| item.id).collect();
+            transaction.execute("select 1 from withdrawal where id = any($1) order by id for update", &[&ids]).await?;
+            let tx = &transaction;
+            let pending: Vec<_> = chunk.iter().map(|(index, item)| record_one(tx, *index, item)).collect();
+            let done: Vec<Option<(usize, &'static str)>> =
+                futures::stream::iter(pending).buffer_unordered(RECORD_PIPELINE).try_collect().await?;
+            transaction.commit().await?;
+            Ok(done.into_iter().flatten().collect())
         }
         .await;
         drop(client);
@@ -263,6 +262,25 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
         }
     }
     Ok(recorded)
+}
+
+/// One withdrawal's part of [`record_all`], inside its transaction: `None` when it no longer
+/// passes its check.
+async fn record_one<'a>(
+    tx: &'a deadpool_postgres::Transaction<'a>,
+    index: usize,
+    item: &'a Recording,
+) -> Result<Option<(usize, &'static str)>, WorkError> {
+    let mut w = sql::lock(tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
+    if !(item.still)(&w) {
+        return Ok(None);
+    }
+    let state = item.event.event_type();
+    sql::append(tx, &mut w, item.event.clone()).await?;
+    for (movement, fee) in &item.movements {
+        sql::post(tx, &w, *movement, *fee).await?;
+    }
+    Ok(Some((index, state)))
 }
 
 /// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].

@@ -28,14 +28,22 @@ impl Worker {
         let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
         // Receipts only for the nonces the count says are used, every attempt's in one batch.
         let mut used = Vec::new();
-        for id in waiting {
-            let w = sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events");
+        let loaded = sql::load_many(&client, &waiting).await?;
+        let mut used_ids = Vec::new();
+        for (id, w) in waiting.into_iter().zip(loaded) {
+            let w = w.expect("BUG: listed withdrawal has no events");
             let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else {
                 self.clear_suspect(id);
                 continue;
             };
-            used.push((id, nonce, sql::attempts(&client, id).await?));
+            used.push((id, nonce));
+            used_ids.push(id);
         }
+        let used: Vec<(i64, u64, Vec<sql::Attempt>)> = used
+            .into_iter()
+            .zip(sql::attempts_many(&client, &used_ids).await?)
+            .map(|((id, nonce), attempts)| (id, nonce, attempts))
+            .collect();
         let hashes: Vec<B256> = used
             .iter()
             .flat_map(|(_, _, attempts)| attempts.iter().map(|a| a.tx_hash.parse().expect("BUG: stored hash")))
@@ -100,10 +108,13 @@ impl Worker {
         }
         let recorded = super::record_all(&self.pool, mined_now).await?;
         report.mined += recorded.iter().filter(|r| **r).count() as u64;
-        let mut mined = Vec::new();
-        for id in sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await? {
-            mined.push(sql::load(&client, id).await?.expect("BUG: listed withdrawal has no events"));
-        }
+        let mined_ids = sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await?;
+        let mined: Vec<Withdrawal> = sql::load_many(&client, &mined_ids)
+            .await?
+            .into_iter()
+            .map(|w| w.expect("BUG: listed withdrawal has no events"))
+            .collect();
+        let mut mined_attempts = sql::attempts_many(&client, &mined_ids).await?.into_iter();
         let hashes: Vec<B256> = mined
             .iter()
             .map(|w| w.tx_hash.as_deref().expect("BUG: mined without a hash").parse().expect("BUG: stored hash"))
@@ -111,6 +122,7 @@ impl Worker {
         let receipts = self.node.receipts(&hashes).await?;
         let mut settled = Vec::new();
         for (w, receipt) in mined.into_iter().zip(receipts) {
+            let attempts_of_this = mined_attempts.next().expect("BUG: one attempt list per withdrawal");
             let id = w.id;
             let tx_hash = w.tx_hash.clone().expect("BUG: mined without a hash");
             let mined_in = w.mined_block_hash.clone().expect("BUG: mined without a block");
@@ -138,7 +150,7 @@ impl Worker {
             if head + 1 < receipt.block_number + self.config.confirmations {
                 continue;
             }
-            let attempts = sql::attempts(&client, id).await?;
+            let attempts = attempts_of_this;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
             let (event, movements) = outcome(&w, address, mined, &receipt, &mined_in);
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
