@@ -68,6 +68,8 @@ struct Shared {
     keys: Keys,
     unavailable: AtomicBool,
     calls: AtomicU64,
+    /// Connections and requests dropped unanswered during an outage.
+    refused: AtomicU64,
     /// The `user:password` pairs Basic auth accepts.
     credentials: [String; 2],
     /// What `estimatesmartfee` answers, sat/kvB (`None`: "Insufficient data").
@@ -87,6 +89,10 @@ impl Shared {
 
     fn is_unavailable(&self) -> bool {
         self.unavailable.load(Ordering::SeqCst)
+    }
+
+    fn count_refused(&self) {
+        self.refused.fetch_add(1, Ordering::SeqCst);
     }
 
     fn count_call(&self) {
@@ -117,6 +123,7 @@ impl BitcoinSim {
             chain: Mutex::new(Chain::new(keys.coinbase_script().clone())),
             keys,
             unavailable: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             credentials: [format!("{RPC_USER}:{RPC_PASSWORD}"), format!("{COOKIE_USER}:{cookie_password}")],
             fee_rate: Mutex::new(None),
@@ -263,6 +270,12 @@ impl BitcoinSim {
     /// JSON-RPC parsing — bad credentials, unparseable bodies — do not).
     pub fn call_count(&self) -> u64 {
         self.shared.calls.load(Ordering::SeqCst)
+    }
+
+    /// Connections and requests dropped unanswered while unavailable: how a test sees that a
+    /// client kept trying through an outage.
+    pub fn refused_count(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 
     /// The deterministic regtest address of `kind` for fixed test key `index`.

@@ -158,8 +158,10 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     h.verify().await;
     let verified = custodian(h.db.url.expose(), &["replay", "--verify"]);
     assert_eq!(verified.code, 0, "{}", verified.stdout);
-    for (log, key) in [(&log_1, LANE_KEYS[0]), (&log_2, LANE_KEYS[1])] {
-        assert!(!log.contains(&key[2..]), "a hot key appeared in the trace log");
+    for log in [&log_1, &log_2] {
+        for key in LANE_KEYS {
+            assert!(!log.contains(&key[2..]), "a hot key appeared in a trace log");
+        }
     }
     let _ = std::fs::remove_file(config);
 }

@@ -177,7 +177,14 @@ async fn a_node_outage_is_retried_with_backoff() {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let scanner = custodian_ingest::Scanner::new(reader, db.pool.clone(), config);
     let running = tokio::spawn(async move { scanner.run(&custodian_ingest::NoProgress, stopped).await });
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    // The node comes back once the running scanner has been refused at least twice (a retry).
+    let refused = sim.refused_count();
+    custodian_testkit::eventually(
+        "the scanner retries through the outage",
+        std::time::Duration::from_secs(20),
+        || async { (sim.refused_count() >= refused + 2).then_some(()) },
+    )
+    .await;
     sim.set_unavailable(false);
     custodian_testkit::eventually("the deposit after the outage", std::time::Duration::from_secs(20), || async {
         (observations(&db, Chain::Btc).await.len() == 1).then_some(())

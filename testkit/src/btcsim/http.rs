@@ -40,6 +40,8 @@ pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
                     // While "unavailable", or when full, close the connection unanswered.
                     if !shared.is_unavailable() && connections.len() < MAX_CONNECTIONS {
                         connections.spawn(connection(stream, Arc::clone(&shared)));
+                    } else if shared.is_unavailable() {
+                        shared.count_refused();
                     }
                 }
                 Err(_) => tokio::time::sleep(ACCEPT_RETRY_DELAY).await,
@@ -59,6 +61,7 @@ async fn connection(mut stream: TcpStream, shared: Arc<Shared>) {
         };
         // An outage also drops connections a client keeps alive, answering nothing.
         if shared.is_unavailable() {
+            shared.count_refused();
             return;
         }
         let (bytes, keep_alive) = match read {
