@@ -174,6 +174,50 @@ pub struct PassReport {
     pub lane_errors: Vec<String>,
 }
 
+impl PassReport {
+    /// Adds `other`'s counts and lists to this report (one lane's part of a pass).
+    pub fn merge(&mut self, other: PassReport) {
+        let PassReport {
+            rejected,
+            signed,
+            broadcast,
+            rebroadcast,
+            bumped,
+            cancel_attempts,
+            mined,
+            unmined,
+            confirmed,
+            failed_onchain,
+            cancelled,
+            needs_review,
+            short_paid,
+            fee_cap_reached,
+            short_lanes,
+            nonce_gaps,
+            paused_lanes,
+            lane_errors,
+        } = other;
+        self.rejected += rejected;
+        self.signed += signed;
+        self.broadcast += broadcast;
+        self.rebroadcast += rebroadcast;
+        self.bumped += bumped;
+        self.cancel_attempts += cancel_attempts;
+        self.mined += mined;
+        self.unmined += unmined;
+        self.confirmed += confirmed;
+        self.failed_onchain += failed_onchain;
+        self.cancelled += cancelled;
+        self.needs_review += needs_review;
+        self.short_paid += short_paid;
+        self.fee_cap_reached += fee_cap_reached;
+        self.short_lanes.extend(short_lanes);
+        self.nonce_gaps.extend(nonce_gaps);
+        self.paused_lanes.extend(paused_lanes);
+        self.lane_errors.extend(lane_errors);
+    }
+}
+
 /// Appends `event` to `id` under its row lock, with the transfers it implies, if the locked
 /// withdrawal still passes `still` (another worker may have moved it since it was read: then
 /// nothing is written and `false` is returned). Both chains' workers record through here.
@@ -212,9 +256,9 @@ pub(crate) struct Recording {
 }
 
 /// Events recorded per transaction by [`record_all`].
-const RECORD_BATCH: usize = 250;
+const RECORD_BATCH: usize = 500;
 /// Withdrawals whose statements [`record_all`] keeps in flight at once on its connection.
-const RECORD_PIPELINE: usize = 32;
+const RECORD_PIPELINE: usize = 128;
 
 /// [`record`] for many withdrawals at once: one transaction per [`RECORD_BATCH`] of them, their
 /// rows locked in id order (as every writer locks them, so two never wait on each other in a
@@ -346,6 +390,7 @@ impl Worker {
         let mut report = PassReport::default();
         let lanes = hot_wallet::lanes(&self.pool.get().await?).await?;
         let chain_id = self.chain_id().await?;
+        let mut parts = Vec::new();
         for lane in lanes {
             let Some(signer) = self.signers.get(&lane.lane) else { continue };
             if hex(signer.address()) != lane.address {
@@ -360,11 +405,24 @@ impl Worker {
             if self.backing_off(&lane.lane) {
                 continue;
             }
-            match self.lane_pass(&lane, signer.as_ref(), chain_id, &mut report).await {
+            parts.push(async move {
+                let mut part = PassReport::default();
+                let result = self.lane_pass(&lane, signer.as_ref(), chain_id, &mut part).await;
+                (lane, part, result)
+            });
+        }
+        // The lanes run at once: each locks only its own rows, and one lane's slow node calls
+        // or database work never holds up another's.
+        let mut fatal = None;
+        for (lane, part, result) in futures::future::join_all(parts).await {
+            report.merge(part);
+            match result {
                 Ok(()) => {
                     self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&lane.lane);
                 }
-                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) if e.is_fatal() => {
+                    fatal.get_or_insert(e);
+                }
                 Err(e) => {
                     let wait = self.lane_failed(&lane.lane);
                     metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
@@ -374,7 +432,10 @@ impl Worker {
                 }
             }
         }
-        Ok(report)
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
     }
 
     /// One lane's part of a pass: settle, the cursor check, then (unless paused) allocate,
