@@ -7,6 +7,7 @@ pub mod address;
 pub mod amount;
 pub mod asset;
 pub mod chain;
+pub mod external_id;
 pub mod hash;
 pub mod hd;
 pub mod withdrawal;
@@ -15,4 +16,5 @@ pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddres
 pub use amount::{Amount, AmountError, ParseAmountError};
 pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};
+pub use external_id::{ExternalId, ExternalIdError};
 pub use hash::{BlockHash, HashError, TxHash};

@@ -811,6 +811,29 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
         assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
         assert_eq!(count_all().await, before, "{args:?} wrote something");
     }
+    let long = "x".repeat(129);
+    for (external_id, message) in [(long.as_str(), "at most 128"), ("a\nb", "control character"), ("   ", "empty")] {
+        let run = crate::harness::custodian_as(
+            &url,
+            &client,
+            &[
+                "withdraw",
+                "--account",
+                "alice",
+                "--external-id",
+                external_id,
+                "--asset",
+                "ETH",
+                "--to",
+                to,
+                "--amount",
+                "0.1",
+            ],
+        );
+        assert_eq!(run.code, 2, "{external_id:?}: {}", run.stderr);
+        assert!(run.stderr.contains(message), "{external_id:?}: expected {message:?} in {}", run.stderr);
+        assert_eq!(count_all().await, before, "{external_id:?} wrote something");
+    }
     let ok = crate::harness::custodian_as(
         &url,
         &client,
@@ -831,6 +854,27 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
     );
     assert_eq!(ok.code, 0, "{}", ok.stderr);
     assert_eq!(ok.json()["withdrawal"]["amount"], "250000000000000000");
+    let padded = crate::harness::custodian_as(
+        &url,
+        &client,
+        &[
+            "withdraw",
+            "--account",
+            "alice",
+            "--external-id",
+            " x-1 ",
+            "--asset",
+            "ETH",
+            "--to",
+            to,
+            "--amount",
+            "0.25",
+            "--json",
+        ],
+    );
+    assert_eq!(padded.code, 0, "{}", padded.stderr);
+    assert_eq!(padded.json()["created"], false, "the key is trimmed: the same request");
+    assert_eq!(padded.json()["withdrawal"]["id"], ok.json()["withdrawal"]["id"]);
     let conflict = crate::harness::custodian_as(
         &url,
         &client,

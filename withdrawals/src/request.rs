@@ -228,6 +228,16 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing.
 pub async fn request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
+    // The key as the CLI and the API both take it: trimmed, bounded, printable.
+    let external_id =
+        custodian_domain::ExternalId::parse(&request.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
+    let trimmed;
+    let request = if external_id.as_str() == request.external_id {
+        request
+    } else {
+        trimmed = Request { external_id: external_id.as_str().to_owned(), ..request.clone() };
+        &trimmed
+    };
     // Two concurrent first requests with one external id: the loser hits the unique key, rolls
     // back, and on the retry finds the winner's withdrawal.
     for _ in 0..2 {
@@ -427,6 +437,15 @@ pub struct Rebalance {
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing.
 pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) -> Result<Requested, RequestError> {
+    let external_id =
+        custodian_domain::ExternalId::parse(&r.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
+    let trimmed;
+    let r = if external_id.as_str() == r.external_id {
+        r
+    } else {
+        trimmed = Rebalance { external_id: external_id.as_str().to_owned(), ..r.clone() };
+        &trimmed
+    };
     if r.requested_by.trim().is_empty() {
         return Err(RequestError::Invalid("a rebalance needs the authenticated principal asking for it".into()));
     }
