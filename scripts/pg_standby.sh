@@ -22,17 +22,8 @@ set -euo pipefail
 log() { echo "pg_standby: $*" >&2; }
 die() { echo "pg_standby: ERROR: $*" >&2; exit 1; }
 
-as_postgres() {
-    if [ "$(id -un)" = postgres ]; then
-        "$@"
-    elif [ "$(id -u)" -eq 0 ]; then
-        runuser -u postgres -- "$@"
-    elif command -v sudo >/dev/null 2>&1; then
-        sudo -u postgres "$@"
-    else
-        die "need root (or sudo) to run as postgres: $*"
-    fi
-}
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 bindir() {
     local v

@@ -41,18 +41,9 @@ as_root() {
     "${SUDO[@]}" "$@"
 }
 
-# Run a command as the postgres OS user (peer auth over the local socket).
-as_postgres() {
-    if [ "$(id -un)" = postgres ]; then
-        "$@"
-    elif [ "$(id -u)" -eq 0 ]; then
-        runuser -u postgres -- "$@"
-    elif command -v sudo >/dev/null 2>&1; then
-        sudo -u postgres "$@"
-    else
-        die "need root (or sudo) to run as postgres: $*"
-    fi
-}
+# as_postgres: run a command as the postgres OS user (peer auth over the local socket).
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 APT_UPDATED=0
 apt_install() {

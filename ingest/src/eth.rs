@@ -48,7 +48,6 @@ impl EthReader {
     /// A reader whose every call is bounded by `timeout`: a silent node is a transient failure,
     /// retried with backoff and shown as `retrying`, never a scanner frozen on a call.
     pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthReader, ReadError> {
-        custodian_store::tls::install_crypto_provider();
         let nodes = custodian_store::nodes::EthNodes::new(url, timeout)
             .map_err(|message| ReadError::Unavailable { chain: Chain::Eth, message })?;
         Ok(EthReader { client: nodes.client(), traces: true })

@@ -134,31 +134,21 @@ impl BtcRpc {
     /// # Cancel safety
     /// One HTTP exchange; cancelled, the node may or may not have acted on it.
     pub async fn call(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcFault>, TransportError> {
-        if self.nodes.len() > 1 && BTC_BROADCASTS.contains(&method) {
-            return self.broadcast(method, params).await;
-        }
-        let mut last = None;
-        for index in self.nodes.order() {
-            match self.check(index).await {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    last = Some(e);
-                    continue;
+        let ask = |index| {
+            let params = params.clone();
+            async move {
+                if !self.check(index).await? {
+                    return Ok(None);
                 }
+                self.call_node(index, method, params).await.map(Some)
             }
-            match self.call_node(index, method, params.clone()).await {
-                Ok(answer) => {
-                    self.nodes.answered(index);
-                    return Ok(answer);
-                }
-                Err(e) => {
-                    tracing::debug!(node = %self.nodes.url(index), error = %e, "a Bitcoin node did not answer");
-                    last = Some(e);
-                }
-            }
-        }
-        Err(match last {
+        };
+        let answer = if self.nodes.len() > 1 && BTC_BROADCASTS.contains(&method) {
+            self.nodes.broadcast(ask, Result::is_ok).await
+        } else {
+            self.nodes.read(ask).await
+        };
+        answer.map_err(|last| match last {
             Some(e) if !self.nodes.any_refused() => e,
             Some(e) => TransportError::Unavailable { method, message: format!("{e}; {}", self.nodes.none_usable()) },
             None => TransportError::Unavailable { method, message: self.nodes.none_usable() },
@@ -175,46 +165,6 @@ impl BtcRpc {
             Err(fault) => format!("none ({})", fault.message),
         };
         Ok(self.nodes.identified(index, &format!("genesis {genesis}")))
-    }
-
-    /// Sends to every usable node at once: the first acceptance, else the current node's refusal
-    /// (Core's code classifies it), else the last transport error.
-    async fn broadcast(&self, method: &'static str, params: Value) -> Result<Result<Value, RpcFault>, TransportError> {
-        let order = self.nodes.order();
-        let sends = order.iter().map(|&index| {
-            let params = params.clone();
-            async move {
-                match self.check(index).await {
-                    Ok(true) => (index, Some(self.call_node(index, method, params).await)),
-                    Ok(false) => (index, None),
-                    Err(e) => (index, Some(Err(e))),
-                }
-            }
-        });
-        let answers = futures::future::join_all(sends).await;
-        let (mut refusal, mut last) = (None, None);
-        for (index, answer) in answers {
-            match answer {
-                Some(Ok(Ok(accepted))) => {
-                    self.nodes.answered(index);
-                    return Ok(Ok(accepted));
-                }
-                Some(Ok(Err(fault))) => {
-                    refusal.get_or_insert((index, fault));
-                }
-                Some(Err(e)) => last = Some(e),
-                None => {}
-            }
-        }
-        if let Some((index, fault)) = refusal {
-            self.nodes.answered(index);
-            return Ok(Err(fault));
-        }
-        Err(match last {
-            Some(e) if !self.nodes.any_refused() => e,
-            Some(e) => TransportError::Unavailable { method, message: format!("{e}; {}", self.nodes.none_usable()) },
-            None => TransportError::Unavailable { method, message: self.nodes.none_usable() },
-        })
     }
 
     /// One exchange with node `index`.

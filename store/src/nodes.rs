@@ -116,6 +116,66 @@ impl NodeSet {
         }
     }
 
+    /// A read: asks the nodes, the current one first, until one answers; that one is current
+    /// from then on. `ask(index)` is `Ok(None)` for a node refused for its chain identity. `Err`
+    /// holds the last node's failure (none when every node was refused).
+    pub async fn read<T, E, F, Fut>(&self, ask: F) -> Result<T, Option<E>>
+    where
+        E: std::fmt::Display,
+        F: Fn(usize) -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, E>>,
+    {
+        let mut last = None;
+        for index in self.order() {
+            match ask(index).await {
+                Ok(Some(answer)) => {
+                    self.answered(index);
+                    return Ok(answer);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(chain = self.chain, node = %self.url(index), error = %e, "a node did not answer");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// A broadcast: asks every node at once; the first answer `accepted` says yes to, else the
+    /// first other answer in [`NodeSet::order`] (a refusal to classify), else the last failure.
+    pub async fn broadcast<T, E, F, Fut>(&self, ask: F, accepted: impl Fn(&T) -> bool) -> Result<T, Option<E>>
+    where
+        F: Fn(usize) -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, E>>,
+    {
+        let sends = self.order().into_iter().map(|index| {
+            let answer = ask(index);
+            async move { (index, answer.await) }
+        });
+        let (mut refusal, mut last) = (None, None);
+        for (index, answer) in futures::future::join_all(sends).await {
+            match answer {
+                Ok(Some(answer)) if accepted(&answer) => {
+                    self.answered(index);
+                    return Ok(answer);
+                }
+                Ok(Some(answer)) => {
+                    refusal.get_or_insert((index, answer));
+                }
+                Ok(None) => {}
+                Err(e) => last = Some(e),
+            }
+        }
+        match refusal {
+            Some((index, answer)) => {
+                self.answered(index);
+                Ok(answer)
+            }
+            None => Err(last),
+        }
+    }
+
     /// The error of a call no node answered: the last node's failure, with the refused nodes named.
     fn failure(&self, last: Option<TransportError>) -> TransportError {
         match last {
@@ -212,73 +272,23 @@ impl EthNodes {
         Ok(self.set.identified(index, &format!("chain id {chain_id}, genesis {hash}")))
     }
 
-    async fn route(self, request: RequestPacket) -> Result<ResponsePacket, TransportError> {
-        if self.set.len() > 1 && request.method_names().any(|m| ETH_BROADCASTS.contains(&m)) {
-            return self.broadcast(request).await;
+    /// Node `index`'s answer to `request`, `None` when the node is refused.
+    async fn ask(self, index: usize, request: RequestPacket) -> Result<Option<ResponsePacket>, TransportError> {
+        if !self.check(index).await? {
+            return Ok(None);
         }
-        let mut last = None;
-        for index in self.set.order() {
-            match self.check(index).await {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    last = Some(e);
-                    continue;
-                }
-            }
-            let mut transport = self.transports[index].clone();
-            match tower::Service::call(&mut transport, request.clone()).await {
-                Ok(response) => {
-                    self.set.answered(index);
-                    return Ok(response);
-                }
-                Err(e) => {
-                    tracing::debug!(node = %self.set.url(index), error = %e, "an Ethereum node did not answer");
-                    last = Some(e);
-                }
-            }
-        }
-        Err(self.set.failure(last))
+        let mut transport = self.transports[index].clone();
+        tower::Service::call(&mut transport, request).await.map(Some)
     }
 
-    /// Sends `request` to every usable node at once: the first success, else the current node's
-    /// answer, else any answer, else the last transport error.
-    async fn broadcast(self, request: RequestPacket) -> Result<ResponsePacket, TransportError> {
-        let order = self.set.order();
-        let sends = order.iter().map(|&index| {
-            let this = self.clone();
-            let request = request.clone();
-            async move {
-                match this.check(index).await {
-                    Ok(true) => {}
-                    Ok(false) => return (index, None),
-                    Err(e) => return (index, Some(Err(e))),
-                }
-                let mut transport = this.transports[index].clone();
-                (index, Some(tower::Service::call(&mut transport, request).await))
-            }
-        });
-        let answers = futures::future::join_all(sends).await;
-        let mut refusal = None;
-        let mut last = None;
-        for (index, answer) in answers {
-            match answer {
-                Some(Ok(response)) if response.is_success() => {
-                    self.set.answered(index);
-                    return Ok(response);
-                }
-                Some(Ok(response)) => {
-                    refusal.get_or_insert((index, response));
-                }
-                Some(Err(e)) => last = Some(e),
-                None => {}
-            }
-        }
-        if let Some((index, response)) = refusal {
-            self.set.answered(index);
-            return Ok(response);
-        }
-        Err(self.set.failure(last))
+    async fn route(self, request: RequestPacket) -> Result<ResponsePacket, TransportError> {
+        let ask = |index| self.clone().ask(index, request.clone());
+        let answer = if self.set.len() > 1 && request.method_names().any(|m| ETH_BROADCASTS.contains(&m)) {
+            self.set.broadcast(ask, ResponsePacket::is_success).await
+        } else {
+            self.set.read(ask).await
+        };
+        answer.map_err(|last| self.set.failure(last))
     }
 }
 

@@ -135,7 +135,6 @@ impl EthNode {
     /// The node at `url`, every call bounded by `timeout`: a silent node is a transport error
     /// (retried later, that lane backed off), never a frozen worker.
     pub fn with_timeout(url: &str, timeout: std::time::Duration) -> Result<EthNode, NodeError> {
-        custodian_store::tls::install_crypto_provider();
         let nodes = custodian_store::nodes::EthNodes::new(url, timeout).map_err(NodeError::Transport)?;
         Ok(EthNode { client: nodes.client() })
     }

@@ -315,7 +315,8 @@ async fn record_one<'a>(
     index: usize,
     item: &'a Recording,
 ) -> Result<Option<(usize, &'static str)>, WorkError> {
-    let mut w = sql::lock(tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
+    // The row is locked already, by record_all's one statement for the batch.
+    let mut w = sql::load(tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
     if !(item.still)(&w) {
         return Ok(None);
     }
