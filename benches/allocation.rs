@@ -79,7 +79,6 @@ async fn setup(lanes: usize, withdrawals: u64) -> Setup {
         )
         .await
         .unwrap();
-    let mut pooled = db.pool.get().await.unwrap();
     for n in 0..withdrawals {
         let r = Request {
             account_id: 1,
@@ -89,13 +88,12 @@ async fn setup(lanes: usize, withdrawals: u64) -> Setup {
             amount: Amount::from_u64(1_000 + n),
             requested_by: "bench".into(),
         };
-        request::request(&mut pooled, &r).await.unwrap();
+        request::request(&db.pool, &r).await.unwrap();
     }
     // The statistics autovacuum keeps in service. Only `withdrawal`: the tables allocation
     // inserts into stay unanalysed while empty, as autovacuum leaves them (a foreign-key check
     // planned against an analysed empty table would scan it, ever slower as it fills).
-    pooled.batch_execute("analyze withdrawal").await.unwrap();
-    drop(pooled);
+    db.pool.get().await.unwrap().batch_execute("analyze withdrawal").await.unwrap();
     let node = EthNode::new("http://127.0.0.1:9").unwrap(); // never called: pricing is given
     let worker = Arc::new(Worker::new(db.pool.clone(), node, by_lane, WorkerConfig::default()));
     let lanes = hot_wallet::lanes(&db.pool.get().await.unwrap()).await.unwrap();

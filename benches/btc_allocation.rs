@@ -96,7 +96,7 @@ async fn main() {
             amount: Amount::from_u64(PAYOUT_SATS),
             requested_by: "bench".into(),
         };
-        request::request(&mut client, &r).await.unwrap();
+        request::request(&db.pool, &r).await.unwrap();
     }
     // The statistics autovacuum keeps in service (ANALYZE needs the tables' owner).
     db.owner_client().await.batch_execute("analyze").await.unwrap();

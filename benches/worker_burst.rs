@@ -58,7 +58,7 @@ async fn main() {
             amount: Amount::from_units(U256::from(1_000 + n)),
             requested_by: "bench".to_owned(),
         };
-        request::request(&mut db.pool.get().await.unwrap(), &r).await.unwrap();
+        request::request(&db.pool, &r).await.unwrap();
     }
     let gas_limit = {
         let block = anvil.rpc("eth_getBlockByNumber", json!(["latest", false])).await.unwrap();

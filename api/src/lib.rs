@@ -167,7 +167,15 @@ pub(crate) struct State {
     pub btc_network: BtcNetwork,
     /// Turns true when the server begins shutting down; open event streams end on it.
     pub stopping: watch::Receiver<bool>,
+    /// Withdrawal requests made at the same moment, recorded in one transaction.
+    pub requests: custodian_withdrawals::coalesce::Coalescer,
 }
+
+/// Transactions writing withdrawal requests at once: while one commits, the next batch gathers.
+const REQUEST_WRITERS: usize = 2;
+
+/// Requests one transaction records at most.
+const REQUEST_BATCH_MAX: usize = 64;
 
 impl State {
     /// A pooled connection, or `UNAVAILABLE`.
@@ -196,6 +204,7 @@ pub async fn serve(
     };
     let state = Arc::new(State {
         auth: auth::Authenticator::new(pool.clone(), rates),
+        requests: custodian_withdrawals::coalesce::Coalescer::start(pool.clone(), REQUEST_WRITERS, REQUEST_BATCH_MAX),
         pool,
         deposit_keys: config.deposit_keys,
         btc_network: config.btc_network,

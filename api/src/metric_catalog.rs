@@ -151,6 +151,7 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
         Kind::Counter,
         "withdrawal rows found disagreeing with their event streams (alert)",
     ),
+    ("custodian_request_batch_size", Kind::Histogram, "withdrawal requests of the API recorded by one transaction"),
     ("custodian_withdrawals", Kind::Gauge, "withdrawals per state, from the projection"),
     ("custodian_withdrawals_total", Kind::Counter, "withdrawal events recorded, per state reached"),
 ];

@@ -85,6 +85,8 @@ pub(crate) fn request(error: RequestError) -> Status {
             "no hot wallet is registered for {chain}: withdrawals cannot be paid out yet"
         )),
         RequestError::Database(e) => database("recording the withdrawal", &e),
+        RequestError::Unavailable(e) => pool(&e),
+        RequestError::ShuttingDown => Status::unavailable("the service is shutting down; retry elsewhere"),
     }
 }
 

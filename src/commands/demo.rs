@@ -213,7 +213,7 @@ mod story {
             amount,
             requested_by: requested_by.to_owned(),
         };
-        request::request(&mut pool.get().await.map_err(|e| RequestError::Invalid(e.to_string()))?, &r).await
+        request::request(pool, &r).await
     }
 
     pub async fn run(settings: &Settings) -> Result<Exit> {
@@ -530,7 +530,7 @@ mod story {
                 amount: Amount::parse_decimal("0.01", 8)?,
                 requested_by: "alice-app".into(),
             };
-            let w = request::request(&mut pool.get().await?, &r).await?.withdrawal;
+            let w = request::request(&pool, &r).await?.withdrawal;
             say(format!("  alice asks for 0.01 BTC to {to} (withdrawal {})", w.id));
             batch.push(w.id);
         }

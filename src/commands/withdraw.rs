@@ -341,7 +341,7 @@ pub async fn request(
         return Err(invalid("--external-id must not be empty"));
     }
     let pool = super::pool(settings).await?;
-    let mut client = pool.get().await?;
+    let client = pool.get().await?;
     let requested_by = super::principal(settings, &client, Scope::Withdraw, "withdraw").await?;
     let account = ownership::find_account(&client, account).await.map_err(|e| invalid(e.to_string()))?;
     let (asset, decimals, chain) = resolve_asset(&client, asset).await?;
@@ -355,10 +355,11 @@ pub async fn request(
         amount,
         requested_by,
     };
-    let outcome = match request::request(&mut client, &r).await {
+    drop(client);
+    let outcome = match request::request(&pool, &r).await {
         Ok(outcome) => outcome,
-        Err(RequestError::Database(e)) => return Err(anyhow::Error::new(e).context("recording the withdrawal")),
-        Err(refusal) => return Err(invalid(refusal.to_string())),
+        Err(refusal) if refusal.is_refusal() => return Err(invalid(refusal.to_string())),
+        Err(e) => return Err(anyhow::Error::new(e).context("recording the withdrawal")),
     };
     let w = &outcome.withdrawal;
     if settings.json {

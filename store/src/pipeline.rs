@@ -40,16 +40,52 @@ impl Pipelined {
         statement: &Statement,
         params: Params<'_>,
     ) -> Result<(Pipelined, Vec<Row>), Error> {
+        let (open, mut rows) = Pipelined::begin_with_all(client, &[(statement, params)]).await?;
+        Ok((open, rows.pop().expect("BUG: one statement answers once")))
+    }
+
+    /// [`Pipelined::begin_with`] for several statements, run in order, all in the one round trip
+    /// with `BEGIN`; returns each statement's rows. Each statement takes its own snapshot, so one
+    /// that follows a `for update` sees whatever committed before that lock was granted.
+    pub async fn begin_with_all(
+        client: Object,
+        statements: &[(&Statement, Params<'_>)],
+    ) -> Result<(Pipelined, Vec<Vec<Row>>), Error> {
         let open = Pipelined { client: Some(client) };
         let rows = {
             let client = open.client();
+            let reads = futures::future::try_join_all(statements.iter().map(|(s, p)| client.query(*s, p)));
             let (_, rows) = futures::try_join!(
                 client.batch_execute("begin; set local plan_cache_mode = force_generic_plan"),
-                client.query(statement, params)
+                reads
             )?;
             rows
         };
         Ok((open, rows))
+    }
+
+    /// A whole transaction in one round trip: `BEGIN`, `statements` in order, `COMMIT`; returns
+    /// the rows each statement affected. `Ok` means committed. For a transaction whose checks are
+    /// made by the server (a statement that raises to refuse): every answer is awaited, so after
+    /// an error the connection is known to be outside a transaction and goes back to the pool.
+    pub async fn once(client: Object, statements: &[(&Statement, Params<'_>)]) -> Result<Vec<u64>, Error> {
+        let mut open = Pipelined { client: Some(client) };
+        let (begun, affected, committed) = {
+            let client = open.client();
+            let writes = futures::future::join_all(statements.iter().map(|(s, p)| client.execute(*s, p)));
+            futures::join!(
+                client.batch_execute("begin; set local plan_cache_mode = force_generic_plan"),
+                writes,
+                client.batch_execute("commit")
+            )
+        };
+        // Every request was answered: COMMIT ended the transaction, as a rollback if anything
+        // before it failed.
+        open.finish();
+        begun?;
+        let affected = affected.into_iter().collect::<Result<Vec<u64>, Error>>()?;
+        committed?;
+        Ok(affected)
     }
 
     /// Runs `statement` inside the transaction (its own round trip), planned for its parameters

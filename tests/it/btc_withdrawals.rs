@@ -223,7 +223,7 @@ impl Payouts {
             amount: custodian_domain::Amount::from_units(alloy_primitives::U256::from(sats)),
             requested_by: "client".into(),
         };
-        request::request(&mut self.db.pool.get().await.unwrap(), &r).await
+        request::request(&self.db.pool, &r).await
     }
 
     async fn load(&self, id: i64) -> Withdrawal {

@@ -136,7 +136,6 @@ async fn serve_pays_and_scans_on_when_one_of_two_nodes_goes_away() {
         let db = &db;
         async move {
             for n in from..to {
-                let mut client = db.pool.get().await.unwrap();
                 let r = Request {
                     account_id: alice,
                     external_id: format!("failover-{n}"),
@@ -145,7 +144,7 @@ async fn serve_pays_and_scans_on_when_one_of_two_nodes_goes_away() {
                     amount: Amount::from_units(U256::from(1_000_000 + n)),
                     requested_by: "wallet-app".to_owned(),
                 };
-                request::request(&mut client, &r).await.expect("requested");
+                request::request(&db.pool, &r).await.expect("requested");
             }
         }
     };

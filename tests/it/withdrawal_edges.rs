@@ -70,7 +70,6 @@ impl Token {
     }
 
     async fn request(&self, h: &Harness, account: i64, external_id: &str, to: &str, amount: u64) -> i64 {
-        let mut client = h.db.pool.get().await.unwrap();
         let r = Request {
             account_id: account,
             external_id: external_id.to_owned(),
@@ -79,7 +78,7 @@ impl Token {
             amount: Amount::from_u64(amount),
             requested_by: "wallet-app".to_owned(),
         };
-        request::request(&mut client, &r).await.unwrap().withdrawal.id
+        request::request(&h.db.pool, &r).await.unwrap().withdrawal.id
     }
 
     async fn available(&self, h: &Harness, account: i64) -> String {

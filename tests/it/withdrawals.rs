@@ -82,7 +82,6 @@ impl Harness {
         to: &str,
         wei: u128,
     ) -> Result<request::Requested, RequestError> {
-        let mut client = self.db.pool.get().await.unwrap();
         let r = Request {
             account_id: account,
             external_id: external_id.to_owned(),
@@ -91,7 +90,7 @@ impl Harness {
             amount: Amount::from_units(U256::from(wei)),
             requested_by: "wallet-app".to_owned(),
         };
-        request::request(&mut client, &r).await
+        request::request(&self.db.pool, &r).await
     }
 
     pub async fn state(&self, id: i64) -> WithdrawalState {
@@ -334,9 +333,8 @@ async fn an_erc20_withdrawal_the_hot_wallet_cannot_cover_waits_without_a_nonce_i
         .await
         .unwrap();
     let nonces_before = hot_wallet::lanes(&client).await.unwrap();
-    let mut c = h.db.pool.get().await.unwrap();
     let r = request::request(
-        &mut c,
+        &h.db.pool,
         &Request {
             account_id: bob,
             external_id: "tt-1".into(),
@@ -1190,5 +1188,127 @@ async fn a_burst_is_signed_broadcast_and_settled_in_a_few_passes_with_batched_no
     for n in [0, total / 2, total - 1] {
         assert_eq!(h.balance(&format!("0x{:040x}", 0xbb00_0000u64 + n)).await, U256::from(1_000 + u128::from(n)));
     }
+    h.verify().await;
+}
+
+/// How many transactions wrote the `requested` events of `ids`.
+async fn transactions(h: &Harness, ids: &[i64]) -> i64 {
+    let client = h.db.client().await;
+    client
+        .query_one(
+            "select count(distinct fact_xid) from withdrawal_event where withdrawal_id = any($1) and seq = 1",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+fn eth_request(account: i64, external_id: &str, to: u64, wei: u128) -> Request {
+    Request {
+        account_id: account,
+        external_id: external_id.to_owned(),
+        asset: "ETH".to_owned(),
+        destination: Destination::Eth(EthAddress::parse(&destination(to)).unwrap()),
+        amount: Amount::from_units(U256::from(wei)),
+        requested_by: "wallet-app".to_owned(),
+    }
+}
+
+#[tokio::test]
+async fn requests_recorded_together_are_each_answered_as_alone_and_a_short_one_writes_none_of_the_batch() {
+    let h = Harness::start(&[]).await;
+    let (alice, bob) = (h.funded_account("alice", 5 * ETHER).await, h.funded_account("bob", ETHER).await);
+    // Together: one transaction for all three.
+    let first = [
+        eth_request(alice, "b-1", 1, 2 * ETHER),
+        eth_request(bob, "b-2", 2, ETHER),
+        eth_request(alice, "b-3", 3, ETHER),
+    ];
+    let answers = request::request_batch(&h.db.pool, &first).await;
+    let ids: Vec<i64> = answers.iter().map(|a| a.as_ref().expect("recorded").withdrawal.id).collect();
+    assert!(answers.iter().all(|a| a.as_ref().unwrap().created));
+    assert_eq!(transactions(&h, &ids).await, 1, "the three were written by one transaction");
+    assert_eq!((h.available(alice).await, h.available(bob).await), ((2 * ETHER).to_string(), "0".to_owned()));
+    // Alice has 2 ETH left: of the next batch the third would overdraw her. Its refusal under the
+    // lock leaves nothing of the batch written; each is then recorded alone, in order.
+    let second = [
+        eth_request(alice, "b-4", 4, ETHER),
+        eth_request(alice, "b-1", 1, 2 * ETHER), // resent: the earlier withdrawal
+        eth_request(alice, "b-5", 5, ETHER),
+        eth_request(alice, "b-6", 6, ETHER),
+        eth_request(bob, "b-7", 7, 1),
+        eth_request(alice, "b-8", 1, 0), // zero: refused before anything is read
+    ];
+    let answers = request::request_batch(&h.db.pool, &second).await;
+    assert!(answers[0].as_ref().unwrap().created);
+    let resent = answers[1].as_ref().unwrap();
+    assert_eq!((resent.withdrawal.id, resent.created), (ids[0], false));
+    assert!(answers[2].as_ref().unwrap().created);
+    match &answers[3] {
+        Err(RequestError::InsufficientFunds { available, .. }) => assert_eq!(available, "0"),
+        other => panic!("the third ether is not there: {other:?}"),
+    }
+    assert!(matches!(answers[4], Err(RequestError::InsufficientFunds { .. })), "bob has nothing left");
+    assert!(matches!(answers[5], Err(RequestError::Invalid(_))), "{:?}", answers[5]);
+    let alone = [answers[0].as_ref().unwrap().withdrawal.id, answers[2].as_ref().unwrap().withdrawal.id];
+    assert_eq!(transactions(&h, &alone).await, 2, "after the refusal each was recorded alone");
+    assert_eq!(h.available(alice).await, "0");
+    assert_eq!(h.count("select count(*) from withdrawal").await, 5);
+    assert_eq!(h.count("select count(*) from withdrawal_event").await, 5);
+    // A batch holding one external id twice: the second copy is the first's withdrawal.
+    let carol = h.funded_account("carol", 3 * ETHER).await;
+    let twice =
+        [eth_request(carol, "c-1", 8, ETHER), eth_request(carol, "c-1", 8, ETHER), eth_request(carol, "c-1", 9, ETHER)];
+    let answers = request::request_batch(&h.db.pool, &twice).await;
+    let (one, two) = (answers[0].as_ref().unwrap(), answers[1].as_ref().unwrap());
+    assert_eq!((one.created, two.created, one.withdrawal.id), (true, false, two.withdrawal.id));
+    assert!(matches!(&answers[2], Err(RequestError::Conflict { fields, .. }) if fields == &["destination"]));
+    assert_eq!(h.available(carol).await, (2 * ETHER).to_string());
+    h.verify().await;
+}
+
+#[tokio::test]
+async fn concurrent_callers_through_the_coalescer_never_overdraw_an_account_and_each_get_their_own_answer() {
+    let h = Arc::new(Harness::start(&[]).await);
+    // Room for exactly 120 of the 200 requests of one account.
+    let alice = h.funded_account("alice", 120 * ETHER).await;
+    let coalescer = custodian_withdrawals::coalesce::Coalescer::start(h.db.pool.clone(), 2, 64);
+    let callers: Vec<_> = (0..8u64)
+        .map(|c| {
+            let coalescer = coalescer.clone();
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for i in 0..25u64 {
+                    let n = c * 25 + i;
+                    let r = eth_request(alice, &format!("k-{n}"), n, ETHER);
+                    // Every request twice, the copy at once: one withdrawal per external id.
+                    let (a, b) = tokio::join!(coalescer.request(r.clone()), coalescer.request(r));
+                    answers.push((n, a, b));
+                }
+                answers
+            })
+        })
+        .collect();
+    let (mut created, mut short) = (0, 0);
+    for caller in callers {
+        for (n, a, b) in caller.await.unwrap() {
+            match (a, b) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(a.withdrawal.id, b.withdrawal.id, "request {n}: one withdrawal per key");
+                    assert!(a.created != b.created, "request {n}: exactly one copy created it");
+                    assert_eq!(a.withdrawal.external_id, format!("k-{n}"));
+                    created += 1;
+                }
+                (Err(RequestError::InsufficientFunds { .. }), Err(RequestError::InsufficientFunds { .. })) => {
+                    short += 1
+                }
+                other => panic!("request {n}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!((created, short), (120, 80));
+    assert_eq!(h.available(alice).await, "0");
+    assert_eq!(h.count("select count(*) from withdrawal").await, 120);
     h.verify().await;
 }

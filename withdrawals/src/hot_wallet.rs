@@ -68,24 +68,25 @@ pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_post
 
 /// Every lane of `chain` (`eth` or `btc`), by name.
 pub async fn lanes_on<C: GenericClient>(client: &C, chain: &str) -> Result<Vec<Lane>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            "select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
-               from hot_wallet where chain = $1 order by lane",
-            &[&chain],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| Lane {
-            lane: r.get(0),
-            address: r.get(1),
-            next_nonce: r.get(2),
-            pause_reason: r.get(3),
-            shortage: r.get(4),
-            retired: r.get(5),
-        })
-        .collect())
+    let statement = client.prepare_cached(LANES_ON).await?;
+    Ok(client.query(&statement, &[&chain]).await?.iter().map(lane_from_row).collect())
+}
+
+/// The lanes of chain `$1`, in [`lane_from_row`]'s columns.
+pub(crate) const LANES_ON: &str = "
+select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
+  from hot_wallet where chain = $1 order by lane";
+
+/// A [`LANES_ON`] row.
+pub(crate) fn lane_from_row(r: &tokio_postgres::Row) -> Lane {
+    Lane {
+        lane: r.get(0),
+        address: r.get(1),
+        next_nonce: r.get(2),
+        pause_reason: r.get(3),
+        shortage: r.get(4),
+        retired: r.get(5),
+    }
 }
 
 /// Registers `address` as lane `lane`. The nonce cursor starts at

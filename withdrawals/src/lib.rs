@@ -9,6 +9,7 @@
 pub mod actions;
 pub mod btc;
 pub mod btc_key;
+pub mod coalesce;
 pub mod hot_wallet;
 pub mod limits;
 pub mod payout;

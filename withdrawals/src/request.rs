@@ -76,6 +76,20 @@ pub enum RequestError {
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] tokio_postgres::Error),
+    /// No database connection could be had.
+    #[error("no database connection: {0}")]
+    Unavailable(#[from] deadpool_postgres::PoolError),
+    /// The service is stopping and takes no new request.
+    #[error("the service is shutting down")]
+    ShuttingDown,
+}
+
+impl RequestError {
+    /// True when the request itself was refused (exit 2, a client error); false when the
+    /// database failed and the same request may succeed later.
+    pub fn is_refusal(&self) -> bool {
+        !matches!(self, RequestError::Database(_) | RequestError::Unavailable(_) | RequestError::ShuttingDown)
+    }
 }
 
 impl From<StoreError> for RequestError {
@@ -166,12 +180,18 @@ pub async fn find_asset<C: deadpool_postgres::GenericClient>(
     client: &C,
     name: &str,
 ) -> Result<Option<(String, u8, Chain)>, tokio_postgres::Error> {
-    for chain in [Chain::Eth, Chain::Btc] {
-        if let Some((key, decimals)) = custodian_store::ownership::find_asset(client, chain, name).await? {
-            return Ok(Some((key, decimals, chain)));
-        }
-    }
-    Ok(None)
+    // ETH's first where both chains know the name; the key or symbol is unique per chain.
+    let statement = client
+        .prepare_cached(
+            "select asset, decimals, chain = 'btc' from asset
+              where (lower(asset) = lower($1) or upper(symbol) = upper($1)) and chain in ('eth', 'btc')
+              order by chain = 'btc' limit 1",
+        )
+        .await?;
+    Ok(client.query_opt(&statement, &[&name]).await?.map(|r| {
+        let chain = if r.get(2) { Chain::Btc } else { Chain::Eth };
+        (r.get(0), u8::try_from(r.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"), chain)
+    }))
 }
 
 /// FNV-1a of the id: a stable lane choice that every process computes alike.
@@ -197,21 +217,30 @@ fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     fields
 }
 
+/// Every event of the account's withdrawal with this external id, oldest first ($1 account,
+/// $2 external id): the idempotent hit in one query.
+const EXISTING: &str = "
+select e.withdrawal_id, e.event_type, e.payload
+  from withdrawal_event e
+ where e.withdrawal_id = (select id from withdrawal where account_id = $1 and external_id = $2)
+ order by e.seq";
+
+/// The earlier withdrawal folded from [`EXISTING`]'s rows, if there was one.
+fn fold_existing(rows: &[tokio_postgres::Row]) -> Option<Withdrawal> {
+    let id: i64 = rows.first()?.get(0);
+    let events: Vec<WithdrawalEvent> = rows.iter().map(|r| sql::event_from_row(r.get(1), &r.get(2))).collect();
+    Some(Withdrawal::fold(id, &events).expect("BUG: projection row without a requested event"))
+}
+
 /// The earlier withdrawal with the request's external id, if any: returned when it asks for the
 /// same, refused as a conflict when not.
 async fn existing<C: deadpool_postgres::GenericClient>(
     client: &C,
     request: &Request,
 ) -> Result<Option<Requested>, RequestError> {
-    let row = client
-        .query_opt(
-            "select id from withdrawal where account_id = $1 and external_id = $2",
-            &[&request.account_id, &request.external_id],
-        )
-        .await?;
-    let Some(row) = row else { return Ok(None) };
-    let withdrawal = sql::load(client, row.get(0)).await?.expect("BUG: projection row without events");
-    compare(withdrawal, request).map(Some)
+    let statement = client.prepare_cached(EXISTING).await?;
+    let rows = client.query(&statement, &[&request.account_id, &request.external_id]).await?;
+    fold_existing(&rows).map(|w| compare(w, request)).transpose()
 }
 
 fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, RequestError> {
@@ -225,38 +254,59 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
 
 /// Records a request, or returns the earlier one with the same external id and payload.
 ///
+/// A new request costs two round trips on one pooled connection: the reads that need no lock
+/// (the idempotent hit among them, so a hit costs one), then `BEGIN`, the account lock with the
+/// checks under it (`withdrawal_request_check`, refusing by raising), the writes and `COMMIT`
+/// together, so the account's lock is held across no round trip. An asset with a daily limit
+/// takes three: what it writes depends on the day's total read under the lock.
+///
 /// # Cancel safety
-/// One transaction; cancelled, it writes nothing.
-pub async fn request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
-    // The key as the CLI and the API both take it: trimmed, bounded, printable.
-    let external_id =
-        custodian_domain::ExternalId::parse(&request.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
-    let trimmed;
-    let request = if external_id.as_str() == request.external_id {
-        request
-    } else {
-        trimmed = Request { external_id: external_id.as_str().to_owned(), ..request.clone() };
-        &trimmed
-    };
+/// One transaction; cancelled, it writes nothing (the connection it held is closed, not pooled).
+pub async fn request(pool: &deadpool_postgres::Pool, request: &Request) -> Result<Requested, RequestError> {
+    let request = normalized(request)?;
+    let request = &*request;
     // Two concurrent first requests with one external id: the loser hits the unique key, rolls
     // back, and on the retry finds the winner's withdrawal.
     for _ in 0..2 {
-        match try_request(client, request).await {
+        match try_request(pool.get().await?, request).await {
+            Ok(Tried::Done(requested)) => return Ok(*requested),
+            Ok(Tried::Raced(earlier)) => tracing::debug!(earlier, "a request with this external id committed first"),
             Err(RequestError::Database(e))
                 if custodian_store::is_unique_violation(&e, Some("withdrawal_account_id_external_id_key")) =>
             {
                 continue
             }
-            other => return other,
+            Err(e) => return Err(e),
         }
     }
-    existing(&*client, request).await?.ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
+    existing(&pool.get().await?, request)
+        .await?
+        .ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
 }
 
-/// Under the account's lock, in one statement: an earlier withdrawal with this external id (one
-/// that committed while this request waited for the lock), the balance, the rolling 24-hour total,
-/// and a fresh withdrawal id. ($1 account, $2 external id, $3 asset.) A statement after the lock,
-/// so its snapshot includes whatever committed before the lock was granted.
+/// The request as recorded: its key trimmed, bounded and printable (as the CLI and the API both
+/// take it), asked for by a named principal.
+fn normalized(request: &Request) -> Result<std::borrow::Cow<'_, Request>, RequestError> {
+    let external_id =
+        custodian_domain::ExternalId::parse(&request.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
+    if request.requested_by.trim().is_empty() {
+        return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
+    }
+    if request.amount.is_zero() {
+        return Err(RequestError::Invalid("amount must be greater than zero".into()));
+    }
+    Ok(if external_id.as_str() == request.external_id {
+        std::borrow::Cow::Borrowed(request)
+    } else {
+        std::borrow::Cow::Owned(Request { external_id: external_id.as_str().to_owned(), ..request.clone() })
+    })
+}
+
+/// Under the account's lock, in one statement, for an asset with a daily limit: an earlier
+/// withdrawal with this external id (one that committed while this request waited for the lock),
+/// the balance, the rolling 24-hour total, and a fresh withdrawal id. ($1 account, $2 external
+/// id, $3 asset.) A statement after the lock, so its snapshot includes whatever committed before
+/// the lock was granted.
 const UNDER_LOCK: &str = "
 select (select id from withdrawal where account_id = $1 and external_id = $2),
        coalesce((select balance from user_balance where ledger_account = 'user:' || $1::bigint and asset = $3), 0)::text,
@@ -265,151 +315,439 @@ select (select id from withdrawal where account_id = $1 and external_id = $2),
            and state not in ('rejected', 'cancelled', 'failed_onchain')),
        nextval('withdrawal_id_seq')";
 
+/// The account's row lock: serialises the requests of one account.
+const LOCK: &str = "select 1 from account where id = $1 for update";
+
+/// The account lock and the checks under it, server-side, refusing by raising (migration V33):
+/// CW001 unknown account, CW002 an earlier withdrawal with this external id (detail: its id),
+/// CW003 a short balance (detail: the balance). ($1 account, $2 external id, $3 asset, $4 amount.)
+const CHECK: &str = "select withdrawal_request_check($1, $2, $3, $4)";
+
+/// A fresh withdrawal id, read before any lock (a refused request leaves a gap, as ids may).
+const NEXT_ID: &str = "select nextval('withdrawal_id_seq')";
+
+/// The asset's approval settings ($1 asset, $2 chain).
+const ASSET_LIMITS: &str =
+    "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2";
+
+/// Why `$2` on chain `$1` is ours, if it is: one of our hot wallets; for BTC also any of our own
+/// addresses (a deposit address, a change address): paying it would only move a coin between our
+/// keys, at a fee.
+const OURS: &str = "
+select case when exists (select 1 from hot_wallet where chain = $1 and address = $2)
+            then 'is one of our hot wallets'
+            when $1 = 'btc' and (exists (select 1 from wallet_address where chain = 'btc' and address = $2)
+                                 or exists (select 1 from btc_change_address where chain = 'btc' and address = $2))
+            then 'is one of our own addresses' end";
+
 /// The first event of a new stream ($1 id, $2 seq, $3 type, $4 payload).
 const INSERT_EVENT: &str =
     "insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values ($1, $2, $3, $4)";
 
-async fn try_request(client: &mut deadpool_postgres::Object, request: &Request) -> Result<Requested, RequestError> {
-    // Before any lock: the idempotent hit, and what does not depend on the balance.
-    if let Some(found) = existing(&*client, request).await? {
-        return Ok(found);
+/// How one try of a request ended.
+enum Tried {
+    /// Recorded, returned or refused as a conflict.
+    Done(Box<Requested>),
+    /// This earlier withdrawal with the same external id committed while the try waited for the
+    /// lock: the next try returns it (or refuses the conflict) from its first read.
+    Raced(i64),
+}
+
+type P<'a> = &'a (dyn tokio_postgres::types::ToSql + Sync);
+
+/// The refusal a [`CHECK`] error stands for, if it is one.
+fn refusal(e: &tokio_postgres::Error, request: &Request) -> Option<Result<Tried, RequestError>> {
+    let db = e.as_db_error()?;
+    let detail = || db.detail().expect("BUG: withdrawal_request_check refuses with a detail").to_owned();
+    match db.code().code() {
+        "CW001" => Some(Err(RequestError::Invalid(format!("unknown account {}", request.account_id)))),
+        "CW002" => Some(Ok(Tried::Raced(detail().parse().expect("BUG: CW002's detail is an id")))),
+        "CW003" => Some(Err(RequestError::InsufficientFunds {
+            asset: request.asset.clone(),
+            requested: request.amount,
+            available: detail(),
+        })),
+        _ => None,
     }
-    if request.requested_by.trim().is_empty() {
-        return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
+}
+
+/// Every statement a request uses, prepared on one connection (cached: no round trip after the
+/// connection's first request).
+struct Statements {
+    existing: tokio_postgres::Statement,
+    asset_limits: tokio_postgres::Statement,
+    ours: tokio_postgres::Statement,
+    lanes: tokio_postgres::Statement,
+    next_id: tokio_postgres::Statement,
+    check: tokio_postgres::Statement,
+    lock: tokio_postgres::Statement,
+    under_lock: tokio_postgres::Statement,
+    insert_event: tokio_postgres::Statement,
+    projection: tokio_postgres::Statement,
+    hold: tokio_postgres::Statement,
+}
+
+impl Statements {
+    async fn prepare(client: &deadpool_postgres::Object) -> Result<Statements, tokio_postgres::Error> {
+        let (existing, asset_limits, ours, lanes, next_id, check, lock, under_lock, insert_event, projection, hold) = futures::try_join!(
+            client.prepare_cached(EXISTING),
+            client.prepare_cached(ASSET_LIMITS),
+            client.prepare_cached(OURS),
+            client.prepare_cached(crate::hot_wallet::LANES_ON),
+            client.prepare_cached(NEXT_ID),
+            client.prepare_cached(CHECK),
+            client.prepare_cached(LOCK),
+            client.prepare_cached(UNDER_LOCK),
+            client.prepare_cached(INSERT_EVENT),
+            client.prepare_cached(sql::UPSERT),
+            client.prepare_cached(sql::POST_TRANSFER),
+        )?;
+        Ok(Statements {
+            existing,
+            asset_limits,
+            ours,
+            lanes,
+            next_id,
+            check,
+            lock,
+            under_lock,
+            insert_event,
+            projection,
+            hold,
+        })
     }
+}
+
+/// What a request learns before any lock, in one round trip: the earlier withdrawal with its
+/// external id, the asset's approval settings, whether the destination is ours, the chain's
+/// lanes and a fresh id.
+struct Unlocked {
+    earlier: Option<Withdrawal>,
+    asset: Option<tokio_postgres::Row>,
+    ours: Option<String>,
+    lanes: Vec<crate::hot_wallet::Lane>,
+    id: i64,
+}
+
+impl Unlocked {
+    async fn read(
+        client: &deadpool_postgres::Object,
+        statements: &Statements,
+        request: &Request,
+    ) -> Result<Unlocked, tokio_postgres::Error> {
+        let chain = request.destination.chain().as_str();
+        let destination = request.destination.stored();
+        let by_key: [P<'_>; 2] = [&request.account_id, &request.external_id];
+        let asset_key: [P<'_>; 2] = [&request.asset, &chain];
+        let address: [P<'_>; 2] = [&chain, &destination];
+        let on_chain: [P<'_>; 1] = [&chain];
+        let (earlier, asset, ours, lanes, fresh) = futures::try_join!(
+            client.query(&statements.existing, &by_key),
+            client.query_opt(&statements.asset_limits, &asset_key),
+            client.query_opt(&statements.ours, &address),
+            client.query(&statements.lanes, &on_chain),
+            client.query_one(&statements.next_id, &[]),
+        )?;
+        Ok(Unlocked {
+            earlier: fold_existing(&earlier),
+            asset,
+            ours: ours.and_then(|r| r.get::<_, Option<String>>(0)),
+            // Retired lanes finish what they hold and take nothing new.
+            lanes: lanes.iter().map(crate::hot_wallet::lane_from_row).filter(|l| !l.retired).collect(),
+            id: fresh.get(0),
+        })
+    }
+}
+
+/// The policy a request is held to, from its asset row.
+struct Policy {
+    approval_limit: Option<U256>,
+    approvals: u32,
+    daily_limit: Option<U256>,
+}
+
+/// The answer to a request decided before any lock, or the policy it is recorded under.
+fn decide(request: &Request, unlocked: &Unlocked) -> Result<Policy, Result<Tried, RequestError>> {
     let chain = request.destination.chain().as_str();
-    let destination = request.destination.stored();
-    let asset_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&request.asset, &chain];
-    let ours_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&chain, &destination];
-    let (asset, ours, lanes) = {
-        let c = &*client;
-        futures::try_join!(
-            c.query_opt(
-                "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2",
-                &asset_params,
-            ),
-            // One of our hot wallets; for BTC also any of our own addresses (a deposit address, a
-            // change address): paying it would only move a coin between our keys, at a fee.
-            c.query_opt(
-                "select case when exists (select 1 from hot_wallet where chain = $1 and address = $2)
-                             then 'is one of our hot wallets'
-                             when $1 = 'btc' and (exists (select 1 from wallet_address where chain = 'btc' and address = $2)
-                                                  or exists (select 1 from btc_change_address where chain = 'btc' and address = $2))
-                             then 'is one of our own addresses' end",
-                &ours_params,
-            ),
-            crate::hot_wallet::lanes_on(c, chain),
-        )?
-    };
-    let asset = asset.ok_or_else(|| RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset)))?;
-    let approval_limit: Option<U256> = asset.get(0);
-    let approvals = u32::try_from(asset.get::<_, i16>(1)).expect("BUG: approvals_required is checked positive");
-    let daily_limit: Option<U256> = asset.get(2);
-    if let Some(why) = ours.and_then(|r| r.get::<_, Option<String>>(0)) {
-        return Err(RequestError::Invalid(format!("{} {why}", request.destination)));
+    if let Some(withdrawal) = &unlocked.earlier {
+        return Err(compare(withdrawal.clone(), request).map(|r| Tried::Done(Box::new(r))));
     }
-    // Retired lanes finish what they hold and take nothing new.
-    let lanes: Vec<_> = lanes.into_iter().filter(|l| !l.retired).collect();
-    if lanes.is_empty() {
-        return Err(RequestError::NoHotWallet(chain));
-    }
-    // Prepared once per connection: none costs a round trip after the first request.
-    let (lock, under_lock, insert_event, projection, hold) = {
-        let c = &*client;
-        futures::try_join!(
-            c.prepare_cached("select 1 from account where id = $1 for update"),
-            c.prepare_cached(UNDER_LOCK),
-            c.prepare_cached(INSERT_EVENT),
-            c.prepare_cached(sql::UPSERT),
-            c.prepare_cached(sql::POST_TRANSFER),
-        )?
+    let Some(asset) = &unlocked.asset else {
+        return Err(Err(RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset))));
     };
-    let tx = client.transaction().await?;
-    // The account row lock serialises requests of one account: the balance read next cannot be
-    // spent twice by concurrent requests. From here to COMMIT: four round trips (the lock, one
-    // read, the writes together, COMMIT).
-    if tx.query_opt(&lock, &[&request.account_id]).await?.is_none() {
+    if let Some(why) = &unlocked.ours {
+        return Err(Err(RequestError::Invalid(format!("{} {why}", request.destination))));
+    }
+    if unlocked.lanes.is_empty() {
+        return Err(Err(RequestError::NoHotWallet(chain)));
+    }
+    Ok(Policy {
+        approval_limit: asset.get(0),
+        approvals: u32::try_from(asset.get::<_, i16>(1)).expect("BUG: approvals_required is checked positive"),
+        daily_limit: asset.get(2),
+    })
+}
+
+/// A new withdrawal's stream, projection and hold, composed before they are written; its
+/// statement parameters borrow from it.
+struct Composed {
+    withdrawal: Withdrawal,
+    id: i64,
+    first_payload: serde_json::Value,
+    awaiting_payload: Option<serde_json::Value>,
+    projected: sql::ProjectionParams,
+    held: sql::TransferParts,
+    amount: U256,
+}
+
+impl Composed {
+    /// The withdrawal `id` of `request` on its lane, waiting for approval when its amount is over
+    /// the approval limit or `past_day` plus it is over the daily limit; refused when the lane
+    /// is paused.
+    fn new(
+        request: &Request,
+        unlocked: &Unlocked,
+        policy: &Policy,
+        id: i64,
+        past_day: U256,
+    ) -> Result<Composed, RequestError> {
+        let waits = match (policy.approval_limit, policy.daily_limit) {
+            (Some(limit), _) if request.amount.units() > limit => Some((limit, "approval_limit")),
+            (_, Some(daily)) if past_day.checked_add(request.amount.units()).is_none_or(|total| total > daily) => {
+                Some((daily, "daily_limit"))
+            }
+            _ => None,
+        };
+        let lane = &unlocked.lanes[lane_index(id, unlocked.lanes.len())];
+        if let Some(reason) = &lane.pause_reason {
+            return Err(RequestError::LanePaused { lane: lane.lane.clone(), reason: reason.clone() });
+        }
+        let requested = WithdrawalEvent::Requested {
+            account_id: request.account_id,
+            external_id: request.external_id.clone(),
+            asset: request.asset.clone(),
+            destination: request.destination.stored(),
+            amount: request.amount,
+            lane: lane.lane.clone(),
+            requested_by: request.requested_by.trim().to_owned(),
+            treasury: false,
+        };
+        let mut withdrawal = Withdrawal::start(id, &requested).expect("BUG: a stream starts with requested");
+        let awaiting = waits.map(|(limit, reason)| WithdrawalEvent::AwaitingApproval {
+            limit: Amount::from_units(limit),
+            approvals: policy.approvals,
+            reason: reason.to_owned(),
+        });
+        if let Some(event) = &awaiting {
+            withdrawal.apply(event);
+        }
+        debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
+        Ok(Composed {
+            id,
+            first_payload: requested.payload(),
+            awaiting_payload: awaiting.as_ref().map(WithdrawalEvent::payload),
+            projected: sql::projection_params(&withdrawal),
+            held: sql::transfer_parts(&withdrawal, Movement::Hold, Amount::ZERO)
+                .expect("BUG: a positive amount is held"),
+            amount: request.amount.units(),
+            withdrawal,
+        })
+    }
+
+    /// Its statements in order: the checks under the account lock when `checked` (the one-trip
+    /// path), the events, the projection (its state after them) and the hold.
+    fn statements<'a>(&'a self, s: &'a Statements, checked: bool) -> Vec<(&'a tokio_postgres::Statement, Vec<P<'a>>)> {
+        let w = &self.withdrawal;
+        let mut out: Vec<(&tokio_postgres::Statement, Vec<P<'a>>)> = Vec::with_capacity(5);
+        if checked {
+            out.push((&s.check, vec![&w.account_id, &w.external_id, &w.asset, &self.amount]));
+        }
+        out.push((&s.insert_event, vec![&self.id, &1i32, &"requested", &self.first_payload]));
+        if let Some(payload) = &self.awaiting_payload {
+            out.push((&s.insert_event, vec![&self.id, &2i32, &"awaiting_approval", payload]));
+        }
+        out.push((&s.projection, self.projected.refs().to_vec()));
+        out.push((&s.hold, self.held.params().to_vec()));
+        out
+    }
+
+    fn counted(&self) {
+        metrics::counter!("custodian_withdrawals_total", "state" => "requested").increment(1);
+        if self.awaiting_payload.is_some() {
+            metrics::counter!("custodian_withdrawals_total", "state" => "awaiting_approval").increment(1);
+        }
+    }
+}
+
+async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Result<Tried, RequestError> {
+    let statements = Statements::prepare(&client).await?;
+    // First round trip, before any lock: the idempotent hit, and what does not depend on the
+    // balance.
+    let unlocked = Unlocked::read(&client, &statements, request).await?;
+    let policy = match decide(request, &unlocked) {
+        Ok(policy) => policy,
+        Err(answer) => return answer,
+    };
+    // Without a daily limit nothing written depends on a read under the lock: the lock, the
+    // checks, the writes and COMMIT go in one round trip, and the lock is held for no round trip
+    // at all. With one, whether the request waits for approval depends on the day's total read
+    // under the lock: BEGIN, the lock and that read first, then the writes with COMMIT.
+    if policy.daily_limit.is_none() {
+        let composed = Composed::new(request, &unlocked, &policy, unlocked.id, U256::ZERO)?;
+        let params = composed.statements(&statements, true);
+        let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
+        if let Err(e) = custodian_store::Pipelined::once(client, &writes).await {
+            return match refusal(&e, request) {
+                Some(refused) => refused,
+                None => Err(e.into()),
+            };
+        }
+        composed.counted();
+        return Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true })));
+    }
+    let (tx, reads) = custodian_store::Pipelined::begin_with_all(
+        client,
+        &[
+            (&statements.lock, &[&request.account_id as P<'_>]),
+            (&statements.under_lock, &[&request.account_id, &request.external_id, &request.asset]),
+        ],
+    )
+    .await?;
+    if reads[0].is_empty() {
+        tx.rollback().await?;
         return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
     }
-    let read = tx.query_one(&under_lock, &[&request.account_id, &request.external_id, &request.asset]).await?;
+    let read = &reads[1][0];
     let (earlier, available, past_day, id): (Option<i64>, String, U256, i64) =
         (read.get(0), read.get(1), read.get(2), read.get(3));
     // A duplicate that waited for the lock while the first request committed finds it now,
     // instead of reading the balance that request already spent.
     if let Some(earlier) = earlier {
-        let withdrawal = sql::load(&tx, earlier).await?.expect("BUG: projection row without events");
-        return compare(withdrawal, request);
+        tx.rollback().await?;
+        return Ok(Tried::Raced(earlier));
     }
     let enough = !available.starts_with('-')
         && available.parse::<Amount>().expect("BUG: the database returned a non-integer balance") >= request.amount;
     if !enough {
+        tx.rollback().await?;
         return Err(RequestError::InsufficientFunds {
             asset: request.asset.clone(),
             requested: request.amount,
             available,
         });
     }
-    let waits = match (approval_limit, daily_limit) {
-        (Some(limit), _) if request.amount.units() > limit => Some((limit, "approval_limit")),
-        (_, Some(daily)) if past_day.checked_add(request.amount.units()).is_none_or(|total| total > daily) => {
-            Some((daily, "daily_limit"))
+    let composed = match Composed::new(request, &unlocked, &policy, id, past_day) {
+        Ok(composed) => composed,
+        Err(refused) => {
+            tx.rollback().await?;
+            return Err(refused);
         }
-        _ => None,
     };
-    let lane = &lanes[lane_index(id, lanes.len())];
-    if let Some(reason) = &lane.pause_reason {
-        return Err(RequestError::LanePaused { lane: lane.lane.clone(), reason: reason.clone() });
-    }
-    let requested = WithdrawalEvent::Requested {
-        account_id: request.account_id,
-        external_id: request.external_id.clone(),
-        asset: request.asset.clone(),
-        destination,
-        amount: request.amount,
-        lane: lane.lane.clone(),
-        requested_by: request.requested_by.trim().to_owned(),
-        treasury: false,
-    };
-    let mut withdrawal = Withdrawal::start(id, &requested).expect("BUG: a stream starts with requested");
-    let awaiting = waits.map(|(limit, reason)| WithdrawalEvent::AwaitingApproval {
-        limit: Amount::from_units(limit),
-        approvals,
-        reason: reason.to_owned(),
-    });
-    if let Some(event) = &awaiting {
-        withdrawal.apply(event);
-    }
-    // Third round trip: the events, the projection (its state after them) and the hold, together.
-    let first_payload = requested.payload();
-    let held = sql::transfer_parts(&withdrawal, Movement::Hold, Amount::ZERO).expect("BUG: a positive amount is held");
-    let awaiting_payload = awaiting.as_ref().map(WithdrawalEvent::payload);
-    let projected = sql::projection_params(&withdrawal);
-    let projected = projected.refs();
-    let (one, two) = (1i32, 2i32);
-    let requested_type = "requested";
-    let first_params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&id, &one, &requested_type, &first_payload];
-    let hold_params = held.params();
-    let writes = async {
-        futures::try_join!(
-            tx.execute(&insert_event, &first_params),
-            async {
-                match &awaiting_payload {
-                    Some(payload) => tx.execute(&insert_event, &[&id, &two, &"awaiting_approval", payload]).await,
-                    None => Ok(0),
+    let params = composed.statements(&statements, false);
+    let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
+    tx.commit_with(&writes).await?;
+    composed.counted();
+    Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true })))
+}
+
+/// Records several requests, each as [`request`] would, answering each in order: the requests
+/// that concurrent callers make at once, in one transaction and one commit where they can be.
+///
+/// One round trip reads what every request needs before a lock; those it answers alone (an
+/// idempotent hit, a refusal) are answered. The rest without a daily limit go in one more round
+/// trip: `BEGIN`, for each in account order the checks under its account's lock and its writes,
+/// `COMMIT` — so the accounts' locks are taken in one order by every batch, and one commit makes
+/// them all durable. If any of them is refused under its lock (a short balance, a duplicate that
+/// committed meanwhile) the transaction writes nothing and each is then recorded on its own, as
+/// are requests with a daily limit and a batch holding one external id twice.
+///
+/// # Cancel safety
+/// As [`request`]: cancelled, a transaction not yet committed writes nothing.
+pub async fn request_batch(
+    pool: &deadpool_postgres::Pool,
+    requests: &[Request],
+) -> Vec<Result<Requested, RequestError>> {
+    let mut answers: Vec<Option<Result<Requested, RequestError>>> = requests.iter().map(|_| None).collect();
+    let normalized: Vec<_> = requests.iter().map(normalized).collect();
+    let mut keys = std::collections::HashSet::new();
+    let distinct = normalized.iter().flatten().all(|r| keys.insert((r.account_id, r.external_id.clone())));
+    let mut alone = Vec::new();
+    match batch(pool, &normalized, distinct).await {
+        Ok(outcomes) => {
+            for (n, outcome) in outcomes.into_iter().enumerate() {
+                match outcome {
+                    Some(answer) => answers[n] = Some(answer),
+                    None => alone.push(n),
                 }
-            },
-            tx.execute(&projection, &projected),
-            tx.execute(&hold, &hold_params),
-        )
-    };
-    writes.await?;
-    tx.commit().await?;
-    metrics::counter!("custodian_withdrawals_total", "state" => "requested").increment(1);
-    if awaiting.is_some() {
-        metrics::counter!("custodian_withdrawals_total", "state" => "awaiting_approval").increment(1);
+            }
+        }
+        Err(e) => {
+            tracing::debug!("a batch of requests is recorded one by one: {e}");
+            alone = (0..requests.len()).collect();
+        }
     }
-    debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
-    Ok(Requested { withdrawal, created: true })
+    for n in alone {
+        answers[n] = Some(match &normalized[n] {
+            Ok(r) => request(pool, r).await,
+            Err(e) => Err(RequestError::Invalid(e.to_string())),
+        });
+    }
+    answers.into_iter().map(|a| a.expect("BUG: every request is answered")).collect()
+}
+
+/// [`request_batch`]'s batch: the answer of each request it settled, `None` for those left to
+/// [`request`]; an error when none could be settled together.
+async fn batch(
+    pool: &deadpool_postgres::Pool,
+    requests: &[Result<std::borrow::Cow<'_, Request>, RequestError>],
+    distinct: bool,
+) -> Result<Vec<Option<Result<Requested, RequestError>>>, RequestError> {
+    let mut outcomes: Vec<Option<Result<Requested, RequestError>>> = requests.iter().map(|_| None).collect();
+    if !distinct || requests.len() < 2 {
+        return Ok(outcomes);
+    }
+    let client = pool.get().await?;
+    let statements = Statements::prepare(&client).await?;
+    let reads = futures::future::try_join_all(requests.iter().map(|r| async {
+        match r {
+            Ok(r) => Unlocked::read(&client, &statements, r).await.map(Some),
+            Err(_) => Ok(None),
+        }
+    }))
+    .await?;
+    let mut together = Vec::new();
+    for (n, (r, unlocked)) in requests.iter().zip(&reads).enumerate() {
+        let (Ok(r), Some(unlocked)) = (r, unlocked) else { continue };
+        let composed = match decide(r, unlocked) {
+            Err(answer) => {
+                outcomes[n] = Some(answer.map(|tried| match tried {
+                    Tried::Done(requested) => *requested,
+                    Tried::Raced(_) => unreachable!("BUG: a read before any lock does not race"),
+                }));
+                continue;
+            }
+            Ok(policy) if policy.daily_limit.is_some() => continue,
+            Ok(policy) => Composed::new(r, unlocked, &policy, unlocked.id, U256::ZERO),
+        };
+        match composed {
+            Ok(composed) => together.push((n, composed)),
+            Err(refused) => outcomes[n] = Some(Err(refused)),
+        }
+    }
+    // One order of locks for every batch: by ledger account as text, the order in which the
+    // balance trigger and the deposit posting pass touch `user_balance` rows too.
+    together.sort_by_cached_key(|(_, c)| (format!("user:{}", c.withdrawal.account_id), c.id));
+    let params: Vec<_> = together.iter().flat_map(|(_, c)| c.statements(&statements, true)).collect();
+    let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
+    if together.len() < 2 {
+        return Ok(outcomes); // one is cheaper on its own path
+    }
+    custodian_store::Pipelined::once(client, &writes).await?;
+    for (n, composed) in together {
+        composed.counted();
+        outcomes[n] = Some(Ok(Requested { withdrawal: composed.withdrawal, created: true }));
+    }
+    Ok(outcomes)
 }
 
 /// An internal withdrawal between two hot wallets (DESIGN §7.8).

@@ -410,6 +410,26 @@ pub async fn in_states<C: GenericClient>(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
+/// [`in_states`] with each withdrawal's nonce as the projection holds it (`None` before one is
+/// allocated): which of them a nonce count concerns is known before any stream is read.
+pub async fn nonces_in_states<C: GenericClient>(
+    client: &C,
+    lane: &str,
+    states: &[WithdrawalState],
+) -> Result<Vec<(i64, Option<u64>)>, tokio_postgres::Error> {
+    let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+    let statement = client
+        .prepare_cached(
+            "select id, nonce from withdrawal where chain = 'eth' and lane = $1 and state = any($2) order by id",
+        )
+        .await?;
+    let rows = client.query(&statement, &[&lane, &states]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get(0), r.get::<_, Option<i64>>(1).map(|n| u64::try_from(n).expect("BUG: nonce >= 0 is checked"))))
+        .collect())
+}
+
 /// Pauses a lane with a reason (kept if already paused).
 pub async fn pause_lane<C: GenericClient>(
     client: &C,

@@ -50,8 +50,8 @@ impl AccountsService {
 
 /// The account with `id`, or `NOT_FOUND`.
 pub(crate) async fn account_by_id<C: GenericClient>(client: &C, id: i64) -> Result<pb::Account, Status> {
-    let row = client
-        .query_opt(ACCOUNT_BY_ID, &[&id])
+    let read = async { client.query_opt(&client.prepare_cached(ACCOUNT_BY_ID).await?, &[&id]).await };
+    let row = read
         .await
         .map_err(|e| status::database("reading the account", &e))?
         .ok_or_else(|| Status::not_found(format!("no account has id {id}")))?;

@@ -95,6 +95,12 @@ fn withdrawal(row: &Row) -> pb::Withdrawal {
 async fn with_attempts<C: GenericClient>(client: &C, withdrawals: &mut [pb::Withdrawal]) -> Result<(), Status> {
     let ids: Vec<i64> = withdrawals.iter().map(|w| w.id).collect();
     let rows = client.query(ATTEMPTS, &[&ids]).await.map_err(|e| status::database("reading attempts", &e))?;
+    attach(rows, withdrawals);
+    Ok(())
+}
+
+/// Hands [`ATTEMPTS`]'s rows to their withdrawals.
+fn attach(rows: Vec<Row>, withdrawals: &mut [pb::Withdrawal]) {
     let mut by_id: HashMap<i64, Vec<pb::Attempt>> = HashMap::new();
     for row in rows {
         by_id.entry(row.get(0)).or_default().push(pb::Attempt {
@@ -108,18 +114,24 @@ async fn with_attempts<C: GenericClient>(client: &C, withdrawals: &mut [pb::With
     for w in withdrawals {
         w.attempts = by_id.remove(&w.id).unwrap_or_default();
     }
-    Ok(())
 }
 
-/// The withdrawal `id` with its attempts, or `NOT_FOUND`.
+/// The withdrawal `id` with its attempts, or `NOT_FOUND`: both reads in one round trip.
 async fn load<C: GenericClient>(client: &C, id: i64) -> Result<pb::Withdrawal, Status> {
-    let row = client
-        .query_opt(WITHDRAWAL_BY_ID, &[&id])
-        .await
-        .map_err(|e| status::database("reading the withdrawal", &e))?
-        .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?;
+    let read = async {
+        let (by_id, attempts) =
+            futures::try_join!(client.prepare_cached(WITHDRAWAL_BY_ID), client.prepare_cached(ATTEMPTS))?;
+        let ids = vec![id];
+        let (one, many): (
+            [&(dyn tokio_postgres::types::ToSql + Sync); 1],
+            [&(dyn tokio_postgres::types::ToSql + Sync); 1],
+        ) = ([&id], [&ids]);
+        futures::try_join!(client.query_opt(&by_id, &one), client.query(&attempts, &many))
+    };
+    let (row, attempts) = read.await.map_err(|e| status::database("reading the withdrawal", &e))?;
+    let row = row.ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?;
     let mut found = [withdrawal(&row)];
-    with_attempts(client, &mut found).await?;
+    attach(attempts, &mut found);
     let [w] = found;
     Ok(w)
 }
@@ -153,17 +165,17 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let message = request.get_ref();
         let external_id = wire::required(&message.external_id, "external_id")?;
         let asset = wire::required(&message.asset, "asset")?;
-        let mut client = self.state.client().await?;
-        account_by_id(&client, message.account_id).await?;
-        let (asset, asset_decimals, chain) = request::find_asset(&client, asset)
-            .await
-            .map_err(|e| status::database("resolving the asset", &e))?
-            .ok_or_else(|| {
-                Status::invalid_argument(format!(
-                    "unknown asset {asset:?}: withdrawals pay out ETH, registered ERC-20 tokens and BTC, \
+        let client = self.state.client().await?;
+        // One round trip for both.
+        let (_, found) = futures::try_join!(account_by_id(&client, message.account_id), async {
+            request::find_asset(&client, asset).await.map_err(|e| status::database("resolving the asset", &e))
+        })?;
+        let (asset, asset_decimals, chain) = found.ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "unknown asset {asset:?}: withdrawals pay out ETH, registered ERC-20 tokens and BTC, \
                      named by symbol or key"
-                ))
-            })?;
+            ))
+        })?;
         let (amount, decimals) = amount_input(message.amount.as_ref(), asset_decimals)?;
         let (destination, amount) =
             request::parse(chain, self.state.btc_network, &message.destination, amount, decimals)
@@ -176,11 +188,14 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
             amount,
             requested_by: caller.name,
         };
-        let outcome = request::request(&mut client, &parsed).await.map_err(status::request)?;
+        // The request is written with those of other callers, on a connection of its batch's;
+        // this one goes back meanwhile.
+        drop(client);
+        let outcome = self.state.requests.request(parsed.clone()).await.map_err(status::request)?;
         if outcome.created {
             tracing::info!(id = outcome.withdrawal.id, account = parsed.account_id, "withdrawal requested");
         }
-        let withdrawal = load(&client, outcome.withdrawal.id).await?;
+        let withdrawal = load(&self.state.client().await?, outcome.withdrawal.id).await?;
         Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))
     }
 

@@ -34,8 +34,9 @@ const UNDERPRICED: [&str; 5] = [
 impl Worker {
     /// Sends stored bytes: first broadcasts, and again whenever the node no longer knows them.
     /// The attempt sent is the live one: the latest signed, or after a reorg the one that had
-    /// mined. One nonce count per lane says which are mined already (settlement's, not sent);
-    /// the node is asked whether it knows the rest, and sent what it lacks, in JSON-RPC batches.
+    /// mined. The lane's mined and pending nonce counts say which are mined already
+    /// (settlement's, not sent) and which the node's pool holds; the node is asked whether it
+    /// knows the rest, and sent what it lacks, in JSON-RPC batches.
     /// Returns the withdrawals whose live attempt the node refused as underpriced, with that
     /// attempt's hash.
     pub(super) async fn broadcast(
@@ -45,18 +46,41 @@ impl Worker {
     ) -> Result<HashMap<i64, String>, WorkError> {
         let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
         let head = self.node.block_number().await?;
-        let mined = self.node.nonce(address, false).await?;
+        let (mined, pending) = futures::try_join!(self.node.nonce(address, false), self.node.nonce(address, true))?;
         let client = self.pool.get().await?;
-        let ids = sql::in_states(&client, &lane.lane, &UNMINED).await?;
+        // Which withdrawals need a look: a first broadcast; a nonce the node's pool lacks (at or
+        // past its pending count); or a nonce it has (mined count to pending count) for a
+        // withdrawal with siblings, where what the node holds may be a sibling rather than the
+        // live attempt. A lone attempt whose nonce the pool holds is known: asking the node for
+        // it by hash would cost it a signature recovery for nothing, at every pass.
+        let candidates = client
+            .query(
+                "select w.id, w.nonce, w.state = 'signed',
+                        (select count(*) from withdrawal_attempt a where a.withdrawal_id = w.id)
+                   from withdrawal w
+                  where w.chain = 'eth' and w.lane = $1 and w.state = any($2) order by w.id",
+                &[&lane.lane, &UNMINED.iter().map(|s| s.as_str()).collect::<Vec<_>>()],
+            )
+            .await?;
+        let ids: Vec<i64> = candidates
+            .iter()
+            .filter(|r| {
+                let nonce = r.get::<_, Option<i64>>(1).map(|n| u64::try_from(n).expect("BUG: nonce >= 0 is checked"));
+                let (first, siblings) = (r.get::<_, bool>(2), r.get::<_, i64>(3) > 1);
+                match nonce {
+                    None => true,
+                    Some(nonce) if nonce < mined => false,
+                    Some(nonce) => first || nonce >= pending || siblings,
+                }
+            })
+            .map(|r| r.get(0))
+            .collect();
         // (withdrawal, first broadcast, live attempt) for every withdrawal whose nonce is open.
         let loaded = sql::load_many(&client, &ids).await?;
         let attempts = sql::attempts_many(&client, &ids).await?;
         let mut open = Vec::new();
         for ((id, w), attempts) in ids.into_iter().zip(loaded).zip(attempts) {
             let w = w.expect("BUG: listed withdrawal has no events");
-            if w.nonce.is_some_and(|nonce| nonce < mined) {
-                continue;
-            }
             let Some(live) = super::replacement::live(&w, &attempts) else { continue };
             open.push((id, w.state == WithdrawalState::Signed, live.clone()));
         }

@@ -25,14 +25,12 @@ impl Worker {
         let head_hash = self.node.block_hash(head).await?;
         let mined_count = self.node.nonce_at(address, head).await?;
         let client = self.pool.get().await?;
-        let waiting = sql::in_states(&client, &lane.lane, &UNMINED).await?;
-        // Receipts only for the nonces the count says are used, every attempt's in one batch.
+        // Receipts only for the nonces the count says are used, every attempt's in one batch;
+        // the streams of the rest are not even read.
         let mut used = Vec::new();
-        let loaded = sql::load_many(&client, &waiting).await?;
         let mut used_ids = Vec::new();
-        for (id, w) in waiting.into_iter().zip(loaded) {
-            let w = w.expect("BUG: listed withdrawal has no events");
-            let Some(nonce) = w.nonce.filter(|n| *n < mined_count) else {
+        for (id, nonce) in sql::nonces_in_states(&client, &lane.lane, &UNMINED).await? {
+            let Some(nonce) = nonce.filter(|n| *n < mined_count) else {
                 self.clear_suspect(id);
                 continue;
             };
