@@ -169,7 +169,22 @@ pub(crate) struct State {
     pub stopping: watch::Receiver<bool>,
     /// Withdrawal requests made at the same moment, recorded in one transaction.
     pub requests: custodian_withdrawals::coalesce::Coalescer,
+    /// Accounts and assets already found: neither is ever deleted or renamed, so a request for a
+    /// known one reads neither again (the request's own checks still refuse an unknown account).
+    pub known: std::sync::Mutex<Known>,
 }
+
+/// See [`State::known`].
+#[derive(Debug, Default)]
+pub(crate) struct Known {
+    /// Account ids found.
+    pub accounts: std::collections::HashSet<i64>,
+    /// Asset names as asked → key, decimals, chain.
+    pub assets: HashMap<String, (String, u8, Chain)>,
+}
+
+/// Entries [`Known`] keeps of each kind before it starts over.
+pub(crate) const KNOWN_MAX: usize = 100_000;
 
 /// Transactions writing withdrawal requests at once: while one commits, the next batch gathers.
 const REQUEST_WRITERS: usize = 2;
@@ -205,6 +220,7 @@ pub async fn serve(
     let state = Arc::new(State {
         auth: auth::Authenticator::new(pool.clone(), rates),
         requests: custodian_withdrawals::coalesce::Coalescer::start(pool.clone(), REQUEST_WRITERS, REQUEST_BATCH_MAX),
+        known: std::sync::Mutex::default(),
         pool,
         deposit_keys: config.deposit_keys,
         btc_network: config.btc_network,

@@ -203,10 +203,27 @@ async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_
     }
 
     assert_eq!(h.count("select count(*) from withdrawal where state = 'confirmed'").await, 200);
+    // Should it fail: the streams of the withdrawals signed more than once say why.
+    let resigned: Vec<String> = h
+        .db
+        .client()
+        .await
+        .query(
+            "select withdrawal_id, string_agg(event_type || coalesce(' at ' || (payload->>'at_block'), ''), ', ' order by seq)
+               from withdrawal_event
+              where withdrawal_id in (select withdrawal_id from withdrawal_attempt group by 1 having count(*) > 1)
+              group by 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| format!("{}: {}", r.get::<_, i64>(0), r.get::<_, String>(1)))
+        .collect();
     assert_eq!(
         h.count("select count(*) from withdrawal_attempt").await,
         200,
-        "one signed payload each, no bumps needed"
+        "one signed payload each, no bumps needed: {resigned:?}"
     );
     for (lane, start) in &start_nonces {
         let client = h.db.pool.get().await.unwrap();

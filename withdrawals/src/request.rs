@@ -459,6 +459,94 @@ impl Unlocked {
     }
 }
 
+/// [`Unlocked::read`] for a batch, set-based: five statements in one round trip whatever its size.
+const EXISTING_MANY: &str = "
+select e.withdrawal_id, e.event_type, e.payload, w.account_id, w.external_id
+  from unnest($1::bigint[], $2::text[]) as k (account_id, external_id)
+  join withdrawal w on w.account_id = k.account_id and w.external_id = k.external_id
+  join withdrawal_event e on e.withdrawal_id = w.id
+ order by e.withdrawal_id, e.seq";
+const ASSET_LIMITS_MANY: &str = "
+select a.approval_limit, a.approvals_required, a.daily_limit, a.asset, a.chain
+  from asset a join unnest($1::text[], $2::text[]) as k (asset, chain) on k.asset = a.asset and k.chain = a.chain";
+const OURS_MANY: &str = "
+select k.chain, k.address,
+       case when exists (select 1 from hot_wallet where chain = k.chain and address = k.address)
+            then 'is one of our hot wallets'
+            when k.chain = 'btc' and (exists (select 1 from wallet_address where chain = 'btc' and address = k.address)
+                                 or exists (select 1 from btc_change_address where chain = 'btc' and address = k.address))
+            then 'is one of our own addresses' end
+  from unnest($1::text[], $2::text[]) as k (chain, address)";
+const LANES_MANY: &str = "
+select chain, lane, address, next_nonce, pause_reason, shortage, retired_at is not null
+  from hot_wallet where chain = any($1) order by chain, lane";
+const NEXT_IDS: &str = "select nextval('withdrawal_id_seq') from generate_series(1, $1::int)";
+
+impl Unlocked {
+    async fn read_many(
+        client: &deadpool_postgres::Object,
+        requests: &[&Request],
+    ) -> Result<Vec<Unlocked>, tokio_postgres::Error> {
+        let (existing, limits, ours, lanes, next_ids) = futures::try_join!(
+            client.prepare_cached(EXISTING_MANY),
+            client.prepare_cached(ASSET_LIMITS_MANY),
+            client.prepare_cached(OURS_MANY),
+            client.prepare_cached(LANES_MANY),
+            client.prepare_cached(NEXT_IDS),
+        )?;
+        let accounts: Vec<i64> = requests.iter().map(|r| r.account_id).collect();
+        let keys: Vec<&str> = requests.iter().map(|r| r.external_id.as_str()).collect();
+        let assets: Vec<&str> = requests.iter().map(|r| r.asset.as_str()).collect();
+        let chains: Vec<&str> = requests.iter().map(|r| r.destination.chain().as_str()).collect();
+        let destinations: Vec<String> = requests.iter().map(|r| r.destination.stored()).collect();
+        let count = i32::try_from(requests.len()).expect("BUG: a batch beyond i32");
+        let by_key: [P<'_>; 2] = [&accounts, &keys];
+        let by_asset: [P<'_>; 2] = [&assets, &chains];
+        let by_address: [P<'_>; 2] = [&chains, &destinations];
+        let on_chain: [P<'_>; 1] = [&chains];
+        let ids: [P<'_>; 1] = [&count];
+        let (existing, limits, ours, lanes, ids) = futures::try_join!(
+            client.query(&existing, &by_key),
+            client.query(&limits, &by_asset),
+            client.query(&ours, &by_address),
+            client.query(&lanes, &on_chain),
+            client.query(&next_ids, &ids),
+        )?;
+        let mut streams: std::collections::HashMap<(i64, String), Vec<tokio_postgres::Row>> = Default::default();
+        for row in existing {
+            streams.entry((row.get(3), row.get(4))).or_default().push(row);
+        }
+        let ours: std::collections::HashMap<(String, String), Option<String>> =
+            ours.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect();
+        let mut unlocked = Vec::with_capacity(requests.len());
+        for (n, r) in requests.iter().enumerate() {
+            let chain = chains[n];
+            unlocked.push(Unlocked {
+                earlier: streams.get(&(r.account_id, r.external_id.clone())).and_then(|rows| fold_existing(rows)),
+                asset: limits
+                    .iter()
+                    .find(|row| row.get::<_, &str>(3) == r.asset && row.get::<_, &str>(4) == chain)
+                    .cloned(),
+                ours: ours.get(&(chain.to_owned(), destinations[n].clone())).cloned().flatten(),
+                lanes: lanes
+                    .iter()
+                    .filter(|row| row.get::<_, &str>(0) == chain && !row.get::<_, bool>(6))
+                    .map(|row| crate::hot_wallet::Lane {
+                        lane: row.get(1),
+                        address: row.get(2),
+                        next_nonce: row.get(3),
+                        pause_reason: row.get(4),
+                        shortage: row.get(5),
+                        retired: row.get(6),
+                    })
+                    .collect(),
+                id: ids[n].get(0),
+            });
+        }
+        Ok(unlocked)
+    }
+}
+
 /// The policy a request is held to, from its asset row.
 struct Policy {
     approval_limit: Option<U256>,
@@ -708,13 +796,10 @@ async fn batch(
     }
     let client = pool.get().await?;
     let statements = Statements::prepare(&client).await?;
-    let reads = futures::future::try_join_all(requests.iter().map(|r| async {
-        match r {
-            Ok(r) => Unlocked::read(&client, &statements, r).await.map(Some),
-            Err(_) => Ok(None),
-        }
-    }))
-    .await?;
+    let valid: Vec<&Request> = requests.iter().filter_map(|r| r.as_deref().ok()).collect();
+    let mut read = Unlocked::read_many(&client, &valid).await?.into_iter();
+    let reads: Vec<Option<Unlocked>> =
+        requests.iter().map(|r| r.is_ok().then(|| read.next().expect("BUG: one read per request"))).collect();
     let mut together = Vec::new();
     for (n, (r, unlocked)) in requests.iter().zip(&reads).enumerate() {
         let (Ok(r), Some(unlocked)) = (r, unlocked) else { continue };

@@ -165,17 +165,38 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let message = request.get_ref();
         let external_id = wire::required(&message.external_id, "external_id")?;
         let asset = wire::required(&message.asset, "asset")?;
-        let client = self.state.client().await?;
-        // One round trip for both.
-        let (_, found) = futures::try_join!(account_by_id(&client, message.account_id), async {
-            request::find_asset(&client, asset).await.map_err(|e| status::database("resolving the asset", &e))
-        })?;
-        let (asset, asset_decimals, chain) = found.ok_or_else(|| {
-            Status::invalid_argument(format!(
-                "unknown asset {asset:?}: withdrawals pay out ETH, registered ERC-20 tokens and BTC, \
-                     named by symbol or key"
-            ))
-        })?;
+        let known = {
+            let known = self.state.known.lock().expect("BUG: known accounts poisoned");
+            (known.accounts.contains(&message.account_id), known.assets.get(asset).cloned())
+        };
+        let (asset, asset_decimals, chain) = match known {
+            (true, Some(found)) => found,
+            (_, cached) => {
+                // One round trip for both.
+                let client = self.state.client().await?;
+                let (_, found) = futures::try_join!(account_by_id(&client, message.account_id), async {
+                    match cached {
+                        Some(found) => Ok(Some(found)),
+                        None => request::find_asset(&client, asset)
+                            .await
+                            .map_err(|e| status::database("resolving the asset", &e)),
+                    }
+                })?;
+                let found = found.ok_or_else(|| {
+                    Status::invalid_argument(format!(
+                        "unknown asset {asset:?}: withdrawals pay out ETH, registered ERC-20 tokens and BTC, \
+                         named by symbol or key"
+                    ))
+                })?;
+                let mut known = self.state.known.lock().expect("BUG: known accounts poisoned");
+                if known.accounts.len() >= crate::KNOWN_MAX || known.assets.len() >= crate::KNOWN_MAX {
+                    *known = crate::Known::default();
+                }
+                known.accounts.insert(message.account_id);
+                known.assets.insert(asset.to_owned(), found.clone());
+                found
+            }
+        };
         let (amount, decimals) = amount_input(message.amount.as_ref(), asset_decimals)?;
         let (destination, amount) =
             request::parse(chain, self.state.btc_network, &message.destination, amount, decimals)
@@ -188,9 +209,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
             amount,
             requested_by: caller.name,
         };
-        // The request is written with those of other callers, on a connection of its batch's;
-        // this one goes back meanwhile.
-        drop(client);
+        // Written with the requests of other callers, on a connection of its batch's.
         let outcome = self.state.requests.request(parsed.clone()).await.map_err(status::request)?;
         if outcome.created {
             tracing::info!(id = outcome.withdrawal.id, account = parsed.account_id, "withdrawal requested");

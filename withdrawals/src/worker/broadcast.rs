@@ -45,7 +45,6 @@ impl Worker {
         report: &mut PassReport,
     ) -> Result<HashMap<i64, String>, WorkError> {
         let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
-        let head = self.node.block_number().await?;
         let (mined, pending) = futures::try_join!(self.node.nonce(address, false), self.node.nonce(address, true))?;
         let client = self.pool.get().await?;
         // Which withdrawals need a look: a first broadcast; a nonce the node's pool lacks (at or
@@ -103,6 +102,11 @@ impl Worker {
                 return Ok(HashMap::new());
             }
         };
+        // A bump is due `bump_after_blocks` after acceptance: counted from the head after the
+        // node answered, not from the one read before this pass's reads and sends, which a busy
+        // worker may have taken blocks earlier.
+        // Unanswered, the first broadcasts are recorded by the next pass (the node then knows them).
+        let accepted_at = if to_send.iter().any(|(_, first, _)| *first) { self.node.block_number().await? } else { 0 };
         let mut refused = HashMap::new();
         let mut broadcast = Vec::new();
         for ((id, first, live), answer) in to_send.into_iter().zip(answers) {
@@ -110,7 +114,7 @@ impl Worker {
                 Sent::Accepted if first => broadcast.push(Recording {
                     id,
                     still: Box::new(|w| w.state == WithdrawalState::Signed),
-                    event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(head) },
+                    event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(accepted_at) },
                     movements: Vec::new(),
                 }),
                 Sent::Accepted => {
