@@ -99,13 +99,8 @@ pub(crate) fn action(error: ActionError) -> Status {
         own @ ActionError::SelfApproval { .. } => Status::permission_denied(own.to_string()),
         evidence @ ActionError::Evidence { .. } => Status::failed_precondition(evidence.to_string()),
         ActionError::Node(message) => Status::unavailable(format!("the Ethereum node failed: {message}")),
-        // The withdrawals crate keeps only the message: retrying is the safe answer, and the
-        // action is idempotent.
-        ActionError::Database(message) => {
-            let id = error_id();
-            tracing::warn!(error_id = %id, %message, "database error in a withdrawal action");
-            retry_later(format!("the database failed (error id {id})"))
-        }
+        ActionError::Database(e) => database("deciding on the withdrawal", &e),
+        conflict @ ActionError::Conflict(_) => Status::aborted(format!("{conflict}; retry the call")),
     }
 }
 

@@ -42,8 +42,8 @@ fn hot_wallet_error(e: HotWalletError) -> anyhow::Error {
 
 fn action_error(e: ActionError) -> anyhow::Error {
     match e {
-        ActionError::Database(e) => anyhow::anyhow!("database error: {e}"),
-        refusal => invalid(refusal.to_string()),
+        refusal if refusal.is_refusal() => invalid(refusal.to_string()),
+        failure => anyhow::Error::new(failure),
     }
 }
 

@@ -7,6 +7,7 @@ use custodian_domain::Amount;
 use crate::payout::{hex, token_of, token_paid};
 use crate::rpc::EthNode;
 use crate::sql::{self, Movement, StoreError};
+use custodian_store::AppendError;
 
 /// Why an action was refused. Nothing was written.
 #[derive(Debug, thiserror::Error)]
@@ -47,19 +48,38 @@ pub enum ActionError {
     /// The node could not be asked for the evidence.
     #[error("asking the node for the evidence: {0}")]
     Node(String),
+    /// The database failed; the SQLSTATE stays in the source.
     #[error("database error: {0}")]
-    Database(String),
+    Database(#[source] tokio_postgres::Error),
+    /// Another writer appended to the withdrawal's stream first: decided again, the same action
+    /// may be refused or change nothing.
+    #[error("the withdrawal changed meanwhile: {0}")]
+    Conflict(#[source] custodian_store::AppendError),
+}
+
+impl ActionError {
+    /// True when the action itself was refused (exit 2, a client error); false when the node or
+    /// the database failed, or a concurrent writer came first, and the same action may succeed
+    /// when retried.
+    pub fn is_refusal(&self) -> bool {
+        !matches!(self, ActionError::Database(_) | ActionError::Node(_) | ActionError::Conflict(_))
+    }
 }
 
 impl From<tokio_postgres::Error> for ActionError {
     fn from(e: tokio_postgres::Error) -> Self {
-        ActionError::Database(e.to_string())
+        ActionError::Database(e)
     }
 }
 
 impl From<StoreError> for ActionError {
     fn from(e: StoreError) -> Self {
-        ActionError::Database(e.to_string())
+        match e {
+            StoreError::Database(e) | StoreError::Conflict(AppendError::Database { source: e, .. }) => {
+                ActionError::Database(e)
+            }
+            StoreError::Conflict(conflict) => ActionError::Conflict(conflict),
+        }
     }
 }
 
@@ -499,5 +519,19 @@ pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id:
         Ok(_) => Ok(hash),
         Err(e) if e.is_already_known() => Ok(hash),
         Err(e) => Err(ActionError::Node(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ActionError;
+
+    #[test]
+    fn a_failure_of_the_node_or_a_concurrent_writer_is_not_a_refusal() {
+        assert!(!ActionError::Node("connection refused".into()).is_refusal());
+        assert!(!ActionError::Conflict(custodian_store::AppendError::Conflict { withdrawal_id: 1, expected_seq: 2 })
+            .is_refusal());
+        assert!(ActionError::Anonymous.is_refusal());
+        assert!(ActionError::Unknown(7).is_refusal());
     }
 }
