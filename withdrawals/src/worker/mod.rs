@@ -103,9 +103,15 @@ pub enum WorkError {
     /// A Bitcoin node call failed; the pass is retried later.
     #[error("Bitcoin node: {0}")]
     Bitcoin(#[from] crate::btc::node::BtcNodeError),
-    /// The database failed.
+    /// The database failed; the SQLSTATE stays in the source.
     #[error("database error: {0}")]
-    Database(String),
+    Database(#[source] tokio_postgres::Error),
+    /// No database connection could be had.
+    #[error("no database connection: {0}")]
+    Unavailable(#[source] deadpool_postgres::PoolError),
+    /// Another writer appended to a withdrawal's stream first; the next pass decides again.
+    #[error("a withdrawal changed meanwhile: {0}")]
+    Conflict(#[source] custodian_store::AppendError),
 }
 
 impl WorkError {
@@ -117,19 +123,23 @@ impl WorkError {
 
 impl From<tokio_postgres::Error> for WorkError {
     fn from(e: tokio_postgres::Error) -> Self {
-        WorkError::Database(e.to_string())
+        WorkError::Database(e)
     }
 }
 
 impl From<deadpool_postgres::PoolError> for WorkError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        WorkError::Database(e.to_string())
+        WorkError::Unavailable(e)
     }
 }
 
 impl From<StoreError> for WorkError {
     fn from(e: StoreError) -> Self {
-        WorkError::Database(e.to_string())
+        match e {
+            StoreError::Database(e)
+            | StoreError::Conflict(custodian_store::AppendError::Database { source: e, .. }) => WorkError::Database(e),
+            StoreError::Conflict(conflict) => WorkError::Conflict(conflict),
+        }
     }
 }
 
