@@ -115,9 +115,15 @@ pub enum ScanError {
         /// Chain.
         chain: Chain,
     },
-    /// The database failed.
+    /// The database failed; the SQLSTATE stays in the source.
     #[error("database error: {0}")]
-    Database(String),
+    Database(#[source] tokio_postgres::Error),
+    /// No database connection could be had.
+    #[error("no database connection: {0}")]
+    Unavailable(#[source] deadpool_postgres::PoolError),
+    /// The database refused a batch (the cursor moved, a parent did not match); retried.
+    #[error("storing a batch: {0}")]
+    Store(#[source] IngestError),
 }
 
 impl ScanError {
@@ -135,7 +141,7 @@ impl ScanError {
             ScanError::WrongChain { .. } => "wrong_chain",
             ScanError::NodeInconsistent { .. } => "node_inconsistent",
             ScanError::LeaseHeld { .. } | ScanError::LeaseLost { .. } => "lease",
-            ScanError::Database(_) => "database",
+            ScanError::Database(_) | ScanError::Unavailable(_) | ScanError::Store(_) => "database",
         }
     }
 }
@@ -145,7 +151,7 @@ impl From<IngestError> for ScanError {
         match e {
             IngestError::LeaseLost { chain } => ScanError::LeaseLost { chain },
             IngestError::Database { source, .. } => source.into(),
-            other => ScanError::Database(other.to_string()),
+            other => ScanError::Store(other),
         }
     }
 }
@@ -221,13 +227,13 @@ impl Drop for Lease {
 
 impl From<tokio_postgres::Error> for ScanError {
     fn from(e: tokio_postgres::Error) -> Self {
-        ScanError::Database(e.to_string())
+        ScanError::Database(e)
     }
 }
 
 impl From<deadpool_postgres::PoolError> for ScanError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
-        ScanError::Database(e.to_string())
+        ScanError::Unavailable(e)
     }
 }
 
