@@ -73,7 +73,7 @@ pub async fn lanes_on<C: GenericClient>(client: &C, chain: &str) -> Result<Vec<L
 }
 
 /// The lanes of chain `$1`, in [`lane_from_row`]'s columns.
-pub(crate) const LANES_ON: &str = "
+const LANES_ON: &str = "
 select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
   from hot_wallet where chain = $1 order by lane";
 

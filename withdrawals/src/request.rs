@@ -217,15 +217,7 @@ fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     fields
 }
 
-/// Every event of the account's withdrawal with this external id, oldest first ($1 account,
-/// $2 external id): the idempotent hit in one query.
-const EXISTING: &str = "
-select e.withdrawal_id, e.event_type, e.payload
-  from withdrawal_event e
- where e.withdrawal_id = (select id from withdrawal where account_id = $1 and external_id = $2)
- order by e.seq";
-
-/// The earlier withdrawal folded from [`EXISTING`]'s rows, if there was one.
+/// The earlier withdrawal folded from its events' rows ([`EXISTING`]'s for one key), if there was one.
 fn fold_existing(rows: &[tokio_postgres::Row]) -> Option<Withdrawal> {
     let id: i64 = rows.first()?.get(0);
     let events: Vec<WithdrawalEvent> = rows.iter().map(|r| sql::event_from_row(r.get(1), &r.get(2))).collect();
@@ -234,13 +226,11 @@ fn fold_existing(rows: &[tokio_postgres::Row]) -> Option<Withdrawal> {
 
 /// The earlier withdrawal with the request's external id, if any: returned when it asks for the
 /// same, refused as a conflict when not.
-async fn existing<C: deadpool_postgres::GenericClient>(
-    client: &C,
-    request: &Request,
-) -> Result<Option<Requested>, RequestError> {
-    let statement = client.prepare_cached(EXISTING).await?;
-    let rows = client.query(&statement, &[&request.account_id, &request.external_id]).await?;
-    fold_existing(&rows).map(|w| compare(w, request)).transpose()
+async fn existing(client: &deadpool_postgres::Object, request: &Request) -> Result<Option<Requested>, RequestError> {
+    let statements = Statements::prepare(client).await?;
+    let [unlocked] =
+        Unlocked::read_many(client, &statements, &[request]).await?.try_into().ok().expect("BUG: one read per request");
+    unlocked.earlier.map(|w| compare(w, request)).transpose()
 }
 
 fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, RequestError> {
@@ -304,16 +294,14 @@ fn normalized(request: &Request) -> Result<std::borrow::Cow<'_, Request>, Reques
 
 /// Under the account's lock, in one statement, for an asset with a daily limit: an earlier
 /// withdrawal with this external id (one that committed while this request waited for the lock),
-/// the balance, the rolling 24-hour total, and a fresh withdrawal id. ($1 account, $2 external
-/// id, $3 asset.) A statement after the lock, so its snapshot includes whatever committed before
+/// the balance and the rolling 24-hour total. ($1 account, $2 external id, $3 asset.) A statement after the lock, so its snapshot includes whatever committed before
 /// the lock was granted.
 const UNDER_LOCK: &str = "
 select (select id from withdrawal where account_id = $1 and external_id = $2),
        coalesce((select balance from user_balance where ledger_account = 'user:' || $1::bigint and asset = $3), 0)::text,
        (select coalesce(sum(amount), 0) from withdrawal
          where account_id = $1 and asset = $3 and requested_at > now() - interval '24 hours'
-           and state not in ('rejected', 'cancelled', 'failed_onchain')),
-       nextval('withdrawal_id_seq')";
+           and state not in ('rejected', 'cancelled', 'failed_onchain'))";
 
 /// The account's row lock: serialises the requests of one account.
 const LOCK: &str = "select 1 from account where id = $1 for update";
@@ -322,23 +310,6 @@ const LOCK: &str = "select 1 from account where id = $1 for update";
 /// CW001 unknown account, CW002 an earlier withdrawal with this external id (detail: its id),
 /// CW003 a short balance (detail: the balance). ($1 account, $2 external id, $3 asset, $4 amount.)
 const CHECK: &str = "select withdrawal_request_check($1, $2, $3, $4)";
-
-/// A fresh withdrawal id, read before any lock (a refused request leaves a gap, as ids may).
-const NEXT_ID: &str = "select nextval('withdrawal_id_seq')";
-
-/// The asset's approval settings ($1 asset, $2 chain).
-const ASSET_LIMITS: &str =
-    "select approval_limit, approvals_required, daily_limit from asset where asset = $1 and chain = $2";
-
-/// Why `$2` on chain `$1` is ours, if it is: one of our hot wallets; for BTC also any of our own
-/// addresses (a deposit address, a change address): paying it would only move a coin between our
-/// keys, at a fee.
-const OURS: &str = "
-select case when exists (select 1 from hot_wallet where chain = $1 and address = $2)
-            then 'is one of our hot wallets'
-            when $1 = 'btc' and (exists (select 1 from wallet_address where chain = 'btc' and address = $2)
-                                 or exists (select 1 from btc_change_address where chain = 'btc' and address = $2))
-            then 'is one of our own addresses' end";
 
 /// The first event of a new stream ($1 id, $2 seq, $3 type, $4 payload).
 const INSERT_EVENT: &str =
@@ -378,7 +349,7 @@ struct Statements {
     asset_limits: tokio_postgres::Statement,
     ours: tokio_postgres::Statement,
     lanes: tokio_postgres::Statement,
-    next_id: tokio_postgres::Statement,
+    next_ids: tokio_postgres::Statement,
     check: tokio_postgres::Statement,
     lock: tokio_postgres::Statement,
     under_lock: tokio_postgres::Statement,
@@ -389,25 +360,26 @@ struct Statements {
 
 impl Statements {
     async fn prepare(client: &deadpool_postgres::Object) -> Result<Statements, tokio_postgres::Error> {
-        let (existing, asset_limits, ours, lanes, next_id, check, lock, under_lock, insert_event, projection, hold) = futures::try_join!(
-            client.prepare_cached(EXISTING),
-            client.prepare_cached(ASSET_LIMITS),
-            client.prepare_cached(OURS),
-            client.prepare_cached(crate::hot_wallet::LANES_ON),
-            client.prepare_cached(NEXT_ID),
-            client.prepare_cached(CHECK),
-            client.prepare_cached(LOCK),
-            client.prepare_cached(UNDER_LOCK),
-            client.prepare_cached(INSERT_EVENT),
-            client.prepare_cached(sql::UPSERT),
-            client.prepare_cached(sql::POST_TRANSFER),
-        )?;
+        let (existing, asset_limits, ours, lanes, next_ids, check, lock, under_lock, insert_event, projection, hold) =
+            futures::try_join!(
+                client.prepare_cached(EXISTING),
+                client.prepare_cached(ASSET_LIMITS),
+                client.prepare_cached(OURS),
+                client.prepare_cached(LANES),
+                client.prepare_cached(NEXT_IDS),
+                client.prepare_cached(CHECK),
+                client.prepare_cached(LOCK),
+                client.prepare_cached(UNDER_LOCK),
+                client.prepare_cached(INSERT_EVENT),
+                client.prepare_cached(sql::UPSERT),
+                client.prepare_cached(sql::POST_TRANSFER),
+            )?;
         Ok(Statements {
             existing,
             asset_limits,
             ours,
             lanes,
-            next_id,
+            next_ids,
             check,
             lock,
             under_lock,
@@ -429,47 +401,22 @@ struct Unlocked {
     id: i64,
 }
 
-impl Unlocked {
-    async fn read(
-        client: &deadpool_postgres::Object,
-        statements: &Statements,
-        request: &Request,
-    ) -> Result<Unlocked, tokio_postgres::Error> {
-        let chain = request.destination.chain().as_str();
-        let destination = request.destination.stored();
-        let by_key: [P<'_>; 2] = [&request.account_id, &request.external_id];
-        let asset_key: [P<'_>; 2] = [&request.asset, &chain];
-        let address: [P<'_>; 2] = [&chain, &destination];
-        let on_chain: [P<'_>; 1] = [&chain];
-        let (earlier, asset, ours, lanes, fresh) = futures::try_join!(
-            client.query(&statements.existing, &by_key),
-            client.query_opt(&statements.asset_limits, &asset_key),
-            client.query_opt(&statements.ours, &address),
-            client.query(&statements.lanes, &on_chain),
-            client.query_one(&statements.next_id, &[]),
-        )?;
-        Ok(Unlocked {
-            earlier: fold_existing(&earlier),
-            asset,
-            ours: ours.and_then(|r| r.get::<_, Option<String>>(0)),
-            // Retired lanes finish what they hold and take nothing new.
-            lanes: lanes.iter().map(crate::hot_wallet::lane_from_row).filter(|l| !l.retired).collect(),
-            id: fresh.get(0),
-        })
-    }
-}
-
-/// [`Unlocked::read`] for a batch, set-based: five statements in one round trip whatever its size.
-const EXISTING_MANY: &str = "
+/// What [`Unlocked`] is read from, set-based: five statements in one round trip for any number of
+/// requests. The events of each key's earlier withdrawal, oldest first ($1 accounts, $2 keys).
+const EXISTING: &str = "
 select e.withdrawal_id, e.event_type, e.payload, w.account_id, w.external_id
   from unnest($1::bigint[], $2::text[]) as k (account_id, external_id)
   join withdrawal w on w.account_id = k.account_id and w.external_id = k.external_id
   join withdrawal_event e on e.withdrawal_id = w.id
  order by e.withdrawal_id, e.seq";
-const ASSET_LIMITS_MANY: &str = "
+/// The approval settings of each asset ($1 assets, $2 chains).
+const ASSET_LIMITS: &str = "
 select a.approval_limit, a.approvals_required, a.daily_limit, a.asset, a.chain
   from asset a join unnest($1::text[], $2::text[]) as k (asset, chain) on k.asset = a.asset and k.chain = a.chain";
-const OURS_MANY: &str = "
+/// Why each destination is ours, if it is: one of our hot wallets; for BTC also any of our own
+/// addresses (a deposit address, a change address): paying it would only move a coin between our
+/// keys, at a fee. ($1 chains, $2 addresses.)
+const OURS: &str = "
 select k.chain, k.address,
        case when exists (select 1 from hot_wallet where chain = k.chain and address = k.address)
             then 'is one of our hot wallets'
@@ -477,23 +424,19 @@ select k.chain, k.address,
                                  or exists (select 1 from btc_change_address where chain = 'btc' and address = k.address))
             then 'is one of our own addresses' end
   from unnest($1::text[], $2::text[]) as k (chain, address)";
-const LANES_MANY: &str = "
-select chain, lane, address, next_nonce, pause_reason, shortage, retired_at is not null
+/// The lanes of the chains ($1), in [`crate::hot_wallet::lane_from_row`]'s columns and then the chain.
+const LANES: &str = "
+select lane, address, next_nonce, pause_reason, shortage, retired_at is not null, chain
   from hot_wallet where chain = any($1) order by chain, lane";
+/// A fresh id per request, read before any lock (a refused request leaves a gap, as ids may).
 const NEXT_IDS: &str = "select nextval('withdrawal_id_seq') from generate_series(1, $1::int)";
 
 impl Unlocked {
     async fn read_many(
         client: &deadpool_postgres::Object,
+        statements: &Statements,
         requests: &[&Request],
     ) -> Result<Vec<Unlocked>, tokio_postgres::Error> {
-        let (existing, limits, ours, lanes, next_ids) = futures::try_join!(
-            client.prepare_cached(EXISTING_MANY),
-            client.prepare_cached(ASSET_LIMITS_MANY),
-            client.prepare_cached(OURS_MANY),
-            client.prepare_cached(LANES_MANY),
-            client.prepare_cached(NEXT_IDS),
-        )?;
         let accounts: Vec<i64> = requests.iter().map(|r| r.account_id).collect();
         let keys: Vec<&str> = requests.iter().map(|r| r.external_id.as_str()).collect();
         let assets: Vec<&str> = requests.iter().map(|r| r.asset.as_str()).collect();
@@ -506,11 +449,11 @@ impl Unlocked {
         let on_chain: [P<'_>; 1] = [&chains];
         let ids: [P<'_>; 1] = [&count];
         let (existing, limits, ours, lanes, ids) = futures::try_join!(
-            client.query(&existing, &by_key),
-            client.query(&limits, &by_asset),
-            client.query(&ours, &by_address),
-            client.query(&lanes, &on_chain),
-            client.query(&next_ids, &ids),
+            client.query(&statements.existing, &by_key),
+            client.query(&statements.asset_limits, &by_asset),
+            client.query(&statements.ours, &by_address),
+            client.query(&statements.lanes, &on_chain),
+            client.query(&statements.next_ids, &ids),
         )?;
         let mut streams: std::collections::HashMap<(i64, String), Vec<tokio_postgres::Row>> = Default::default();
         for row in existing {
@@ -528,17 +471,12 @@ impl Unlocked {
                     .find(|row| row.get::<_, &str>(3) == r.asset && row.get::<_, &str>(4) == chain)
                     .cloned(),
                 ours: ours.get(&(chain.to_owned(), destinations[n].clone())).cloned().flatten(),
+                // Retired lanes finish what they hold and take nothing new.
                 lanes: lanes
                     .iter()
-                    .filter(|row| row.get::<_, &str>(0) == chain && !row.get::<_, bool>(6))
-                    .map(|row| crate::hot_wallet::Lane {
-                        lane: row.get(1),
-                        address: row.get(2),
-                        next_nonce: row.get(3),
-                        pause_reason: row.get(4),
-                        shortage: row.get(5),
-                        retired: row.get(6),
-                    })
+                    .filter(|row| row.get::<_, &str>(6) == chain)
+                    .map(crate::hot_wallet::lane_from_row)
+                    .filter(|l| !l.retired)
                     .collect(),
                 id: ids[n].get(0),
             });
@@ -671,7 +609,11 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
     let statements = Statements::prepare(&client).await?;
     // First round trip, before any lock: the idempotent hit, and what does not depend on the
     // balance.
-    let unlocked = Unlocked::read(&client, &statements, request).await?;
+    let [unlocked] = Unlocked::read_many(&client, &statements, &[request])
+        .await?
+        .try_into()
+        .ok()
+        .expect("BUG: one read per request");
     let policy = match decide(request, &unlocked) {
         Ok(policy) => policy,
         Err(answer) => return answer,
@@ -706,8 +648,7 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
         return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
     }
     let read = &reads[1][0];
-    let (earlier, available, past_day, id): (Option<i64>, String, U256, i64) =
-        (read.get(0), read.get(1), read.get(2), read.get(3));
+    let (earlier, available, past_day): (Option<i64>, String, U256) = (read.get(0), read.get(1), read.get(2));
     // A duplicate that waited for the lock while the first request committed finds it now,
     // instead of reading the balance that request already spent.
     if let Some(earlier) = earlier {
@@ -724,7 +665,7 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
             available,
         });
     }
-    let composed = match Composed::new(request, &unlocked, &policy, id, past_day) {
+    let composed = match Composed::new(request, &unlocked, &policy, unlocked.id, past_day) {
         Ok(composed) => composed,
         Err(refused) => {
             tx.rollback().await?;
@@ -797,7 +738,7 @@ async fn batch(
     let client = pool.get().await?;
     let statements = Statements::prepare(&client).await?;
     let valid: Vec<&Request> = requests.iter().filter_map(|r| r.as_deref().ok()).collect();
-    let mut read = Unlocked::read_many(&client, &valid).await?.into_iter();
+    let mut read = Unlocked::read_many(&client, &statements, &valid).await?.into_iter();
     let reads: Vec<Option<Unlocked>> =
         requests.iter().map(|r| r.is_ok().then(|| read.next().expect("BUG: one read per request"))).collect();
     let mut together = Vec::new();
@@ -822,11 +763,11 @@ async fn batch(
     // One order of locks for every batch: by ledger account as text, the order in which the
     // balance trigger and the deposit posting pass touch `user_balance` rows too.
     together.sort_by_cached_key(|(_, c)| (format!("user:{}", c.withdrawal.account_id), c.id));
-    let params: Vec<_> = together.iter().flat_map(|(_, c)| c.statements(&statements, true)).collect();
-    let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
     if together.len() < 2 {
         return Ok(outcomes); // one is cheaper on its own path
     }
+    let params: Vec<_> = together.iter().flat_map(|(_, c)| c.statements(&statements, true)).collect();
+    let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
     custodian_store::Pipelined::once(client, &writes).await?;
     for (n, composed) in together {
         composed.counted();
