@@ -124,6 +124,9 @@ pub enum ScanError {
     /// The database refused a batch (the cursor moved, a parent did not match); retried.
     #[error("storing a batch: {0}")]
     Store(#[source] IngestError),
+    /// Shutdown came while the scanner waited on the node; nothing was being written.
+    #[error("shutting down")]
+    ShuttingDown,
 }
 
 impl ScanError {
@@ -142,6 +145,7 @@ impl ScanError {
             ScanError::NodeInconsistent { .. } => "node_inconsistent",
             ScanError::LeaseHeld { .. } | ScanError::LeaseLost { .. } => "lease",
             ScanError::Database(_) | ScanError::Unavailable(_) | ScanError::Store(_) => "database",
+            ScanError::ShuttingDown => "shutdown",
         }
     }
 }
@@ -290,6 +294,9 @@ pub struct Scanner<R> {
     state: StateHandle,
     /// When the current run of failures began (node calls retried inside a step included).
     failing_since: std::sync::Mutex<Option<std::time::SystemTime>>,
+    /// Set by [`Scanner::run`]: turns true on shutdown, which cuts node waits short (never a
+    /// batch being stored).
+    shutdown: std::sync::Mutex<Option<tokio::sync::watch::Receiver<bool>>>,
 }
 
 enum Step {
@@ -310,6 +317,7 @@ impl<R: ChainReader> Scanner<R> {
             lease: tokio::sync::Mutex::new(None),
             state: std::sync::Arc::new(std::sync::Mutex::new(ScannerState::Starting)),
             failing_since: std::sync::Mutex::new(None),
+            shutdown: std::sync::Mutex::new(None),
         }
     }
 
@@ -405,7 +413,8 @@ impl<R: ChainReader> Scanner<R> {
     /// a standby while another does. Transient failures (node, database, an inconsistent node,
     /// a lost lease) are retried with exponential backoff and jitter and reported in the state
     /// and metrics; only a refused chain identity or a fork deeper than the window stops it.
-    /// Stops only between batches, never inside a database transaction.
+    /// Shutdown cuts short a wait on the node (a call, a backoff, the poll interval) but never a
+    /// batch being stored: a batch whose transaction has begun commits (or fails) first.
     pub async fn run(
         &self,
         progress: &dyn Progress,
@@ -415,12 +424,11 @@ impl<R: ChainReader> Scanner<R> {
         let started = Instant::now();
         let mut backoff = self.config.initial_backoff;
         let chain = self.chain();
+        *self.shutdown.lock().expect("BUG: shutdown lock poisoned") = Some(shutdown.clone());
         while !*shutdown.borrow() {
-            let step = tokio::select! {
-                step = self.leased_step(&mut report, progress, started) => step,
-                _ = shutdown.changed() => break,
-            };
+            let step = self.leased_step(&mut report, progress, started).await;
             let wait = match step {
+                Err(ScanError::ShuttingDown) => break,
                 Ok(step) => {
                     backoff = self.config.initial_backoff;
                     match step {
@@ -537,7 +545,7 @@ impl<R: ChainReader> Scanner<R> {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match call().await {
+            match self.unless_shutdown(call()).await? {
                 Ok(value) => return Ok(value),
                 Err(e) if !e.is_transient() => return Err(ScanError::Read(e)),
                 Err(e) if attempts >= self.config.max_retries.max(1) => {
@@ -549,11 +557,28 @@ impl<R: ChainReader> Scanner<R> {
                     metrics::counter!("custodian_scanner_retries_total", "chain" => self.chain().as_str(), "reason" => "node_call")
                         .increment(1);
                     self.note_failure(format!("{what}: {e}"));
-                    tokio::time::sleep(custodian_store::jittered(backoff)).await;
+                    self.unless_shutdown(tokio::time::sleep(custodian_store::jittered(backoff))).await?;
                     backoff = (backoff * 2).min(self.config.max_backoff);
                 }
             }
         }
+    }
+
+    /// `wait`, or [`ScanError::ShuttingDown`] as soon as [`Scanner::run`]'s shutdown turns true.
+    /// Only node calls and backoffs are waited on this way, never database work.
+    async fn unless_shutdown<T>(&self, wait: impl std::future::Future<Output = T>) -> Result<T, ScanError> {
+        let shutdown = self.shutdown.lock().expect("BUG: shutdown lock poisoned").clone();
+        let Some(mut shutdown) = shutdown else { return Ok(wait.await) };
+        tokio::pin!(wait);
+        let stopped = tokio::select! {
+            value = &mut wait => return Ok(value),
+            stopped = shutdown.wait_for(|stop| *stop) => stopped.is_ok(),
+        };
+        if stopped {
+            return Err(ScanError::ShuttingDown);
+        }
+        // Nobody can ask for a shutdown any more: the wait goes on.
+        Ok(wait.await)
     }
 
     fn record_lag(&self, node_tip: u64, our_tip: Option<u64>) {

@@ -371,3 +371,53 @@ async fn a_silent_node_is_retried_after_its_timeout_and_never_freezes_the_scanne
     running.await.unwrap().expect("never stopped for good");
     assert_eq!(observations(&db, Chain::Eth).await.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_while_a_batch_is_being_stored_lets_that_batch_commit() {
+    let (anvil, db, reader) = setup().await;
+    watch(&db, Chain::Eth, "alice", WATCHED).await;
+    mine(&anvil, 2).await;
+    scan(&db, reader.clone(), small_batches()).await;
+    assert_eq!(canonical_heights(&db, Chain::Eth).await, (0..=2).collect::<Vec<i64>>());
+    send(&anvil, json!({"from": DEV, "to": WATCHED, "value": "0x7"})).await;
+    mine(&anvil, 2).await;
+
+    // The next batch's transaction waits on the cursor row, held here.
+    let mut holder = db.client().await;
+    let held = holder.transaction().await.unwrap();
+    held.execute("select 1 from scan_cursor where chain = 'eth' for update", &[]).await.unwrap();
+    let scanner = std::sync::Arc::new(custodian_ingest::Scanner::new(reader, db.pool.clone(), small_batches()));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = {
+        let scanner = scanner.clone();
+        tokio::spawn(async move { scanner.run(&custodian_ingest::NoProgress, stopped).await })
+    };
+    let observer = db.client().await;
+    custodian_testkit::eventually(
+        "the batch to wait on the cursor lock",
+        std::time::Duration::from_secs(20),
+        || async {
+            let waiting: i64 = observer
+            .query_one(
+                "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%scan_cursor%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!running.is_finished(), "the scanner stopped inside the batch's transaction");
+    held.commit().await.unwrap();
+    running.await.unwrap().expect("stopped cleanly");
+    assert_eq!(
+        canonical_heights(&db, Chain::Eth).await,
+        (0..=5).collect::<Vec<i64>>(),
+        "the batch under way when shutdown came was stored whole"
+    );
+    assert_eq!(observations(&db, Chain::Eth).await.len(), 1);
+}
