@@ -204,12 +204,147 @@ impl<'de> serde::Deserialize<'de> for Amount {
     }
 }
 
+/// A signed count of smallest units: a balance, which a reversed deposit can take below zero
+/// (the account then owes it). Never used to move money: an [`Amount`] does that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignedAmount {
+    /// Zero or more.
+    NonNegative(Amount),
+    /// Below zero by this much.
+    Negative(Amount),
+}
+
+impl SignedAmount {
+    /// `self - other`, exact; `Overflow` only beyond ±(2^256 - 1).
+    pub fn checked_sub(self, other: SignedAmount) -> Result<SignedAmount, AmountError> {
+        self.checked_add(other.negated())
+    }
+
+    /// `self + other`, exact; `Overflow` only beyond ±(2^256 - 1).
+    pub fn checked_add(self, other: SignedAmount) -> Result<SignedAmount, AmountError> {
+        use SignedAmount::{Negative, NonNegative};
+        let signed = |negative: bool, magnitude: Amount| match (negative, magnitude.is_zero()) {
+            (true, false) => Negative(magnitude),
+            _ => NonNegative(magnitude),
+        };
+        Ok(match (self, other) {
+            (NonNegative(a), NonNegative(b)) => NonNegative(a.checked_add(b)?),
+            (Negative(a), Negative(b)) => Negative(a.checked_add(b)?),
+            (NonNegative(a), Negative(b)) | (Negative(b), NonNegative(a)) => {
+                if a >= b {
+                    signed(false, a.checked_sub(b)?)
+                } else {
+                    signed(true, b.checked_sub(a)?)
+                }
+            }
+        })
+    }
+
+    /// The same magnitude, the other sign.
+    pub fn negated(self) -> SignedAmount {
+        match self {
+            SignedAmount::NonNegative(a) if !a.is_zero() => SignedAmount::Negative(a),
+            SignedAmount::NonNegative(zero) => SignedAmount::NonNegative(zero),
+            SignedAmount::Negative(a) => SignedAmount::NonNegative(a),
+        }
+    }
+
+    /// Whether it is zero.
+    pub fn is_zero(self) -> bool {
+        matches!(self, SignedAmount::NonNegative(a) if a.is_zero())
+    }
+
+    /// Whether it is below zero.
+    pub fn is_negative(self) -> bool {
+        matches!(self, SignedAmount::Negative(_))
+    }
+
+    /// Whether `amount` may be taken from it.
+    pub fn covers(self, amount: Amount) -> bool {
+        matches!(self, SignedAmount::NonNegative(held) if held >= amount)
+    }
+
+    /// In whole units of an asset with `decimals` decimals, a minus sign when owed.
+    pub fn to_decimal_string(self, decimals: u8) -> String {
+        match self {
+            SignedAmount::NonNegative(held) => held.to_decimal_string(decimals),
+            SignedAmount::Negative(owed) => format!("-{}", owed.to_decimal_string(decimals)),
+        }
+    }
+}
+
+impl serde::Serialize for SignedAmount {
+    /// As a decimal string of smallest units, a minus sign when negative (as [`Amount`] travels).
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl From<Amount> for SignedAmount {
+    fn from(amount: Amount) -> Self {
+        SignedAmount::NonNegative(amount)
+    }
+}
+
+impl fmt::Display for SignedAmount {
+    /// The signed count of smallest units, as the database writes it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SignedAmount::NonNegative(held) => write!(f, "{held}"),
+            SignedAmount::Negative(owed) => write!(f, "-{owed}"),
+        }
+    }
+}
+
+impl std::str::FromStr for SignedAmount {
+    type Err = ParseAmountError;
+
+    /// Parses a signed count of smallest units (`numeric::text`); `-0` is zero.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.strip_prefix('-') {
+            Some(owed) => {
+                let owed: Amount = owed.parse()?;
+                Ok(if owed.is_zero() { SignedAmount::NonNegative(owed) } else { SignedAmount::Negative(owed) })
+            }
+            None => Ok(SignedAmount::NonNegative(s.parse()?)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn units(s: &str) -> Amount {
         Amount(U256::from_str_radix(s, 10).expect("test literal"))
+    }
+
+    #[test]
+    fn a_signed_amount_covers_only_what_it_holds_and_prints_as_stored() {
+        let owes: SignedAmount = "-25".parse().unwrap();
+        assert_eq!(owes, SignedAmount::Negative(units("25")));
+        assert_eq!(owes.to_string(), "-25");
+        assert_eq!(owes.to_decimal_string(1), "-2.5");
+        assert!(!owes.covers(Amount::from_u64(0)), "an account that owes can take nothing");
+        let holds: SignedAmount = "100".parse().unwrap();
+        assert!(holds.covers(units("100")) && !holds.covers(units("101")));
+        assert_eq!("-0".parse::<SignedAmount>().unwrap(), SignedAmount::NonNegative(Amount::from_u64(0)));
+        assert!("--1".parse::<SignedAmount>().is_err() && "1.5".parse::<SignedAmount>().is_err());
+    }
+
+    #[test]
+    fn signed_arithmetic_is_exact_across_zero_and_over_the_whole_u256_range() {
+        let s = |v: &str| v.parse::<SignedAmount>().unwrap();
+        assert_eq!(s("5").checked_sub(s("7")), Ok(s("-2")));
+        assert_eq!(s("-5").checked_sub(s("-7")), Ok(s("2")));
+        assert_eq!(s("-5").checked_add(s("5")), Ok(s("0")));
+        assert_eq!(s("-5").checked_sub(s("2")), Ok(s("-7")));
+        assert!(!s("0").negated().is_negative(), "there is no negative zero");
+        let max = SignedAmount::from(Amount(U256::MAX));
+        assert_eq!(max.checked_sub(max), Ok(s("0")));
+        assert_eq!(max.negated().checked_add(max), Ok(s("0")));
+        assert_eq!(max.checked_add(s("1")), Err(AmountError::Overflow));
+        assert_eq!(max.negated().checked_sub(s("1")), Err(AmountError::Overflow));
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod hd;
 pub mod withdrawal;
 
 pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};
-pub use amount::{Amount, AmountError, ParseAmountError};
+pub use amount::{Amount, AmountError, ParseAmountError, SignedAmount};
 pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};
 pub use external_id::{ExternalId, ExternalIdError};

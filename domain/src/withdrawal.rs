@@ -295,6 +295,59 @@ impl std::str::FromStr for WithdrawalState {
     }
 }
 
+/// Why a signed payload (an attempt) exists: the first signature of a withdrawal, a fee bump of
+/// its live attempt, or a cancel replacing it (DESIGN §7 items 5, 7, 13). On both chains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttemptKind {
+    /// The first payload signed for the withdrawal (or its BTC batch).
+    Original,
+    /// A replacement with higher fees and the same intent.
+    Bump,
+    /// A replacement that pays nothing out: zero value to ourselves (ETH), or the inputs back to
+    /// our change (BTC).
+    Cancel,
+}
+
+impl AttemptKind {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptKind::Original => "original",
+            AttemptKind::Bump => "bump",
+            AttemptKind::Cancel => "cancel",
+        }
+    }
+
+    /// The kind of a replacement of an attempt of this kind: a cancel stays a cancel once one
+    /// exists; anything else is bumped.
+    pub fn replaced(self) -> AttemptKind {
+        if self == AttemptKind::Cancel {
+            AttemptKind::Cancel
+        } else {
+            AttemptKind::Bump
+        }
+    }
+}
+
+impl std::fmt::Display for AttemptKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for AttemptKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "original" => AttemptKind::Original,
+            "bump" => AttemptKind::Bump,
+            "cancel" => AttemptKind::Cancel,
+            other => return Err(format!("unknown attempt kind {other:?}")),
+        })
+    }
+}
+
 /// The fold of a stream: everything the `withdrawal` projection row holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Withdrawal {
@@ -516,6 +569,17 @@ impl Withdrawal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attempt_kinds_round_trip_through_their_stored_names_and_unknown_names_are_refused() {
+        for kind in [AttemptKind::Original, AttemptKind::Bump, AttemptKind::Cancel] {
+            assert_eq!(kind.as_str().parse::<AttemptKind>(), Ok(kind));
+        }
+        assert!("Cancel".parse::<AttemptKind>().is_err());
+        assert_eq!(AttemptKind::Original.replaced(), AttemptKind::Bump);
+        assert_eq!(AttemptKind::Bump.replaced(), AttemptKind::Bump);
+        assert_eq!(AttemptKind::Cancel.replaced(), AttemptKind::Cancel);
+    }
 
     fn requested() -> WithdrawalEvent {
         WithdrawalEvent::Requested {

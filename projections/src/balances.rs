@@ -6,7 +6,7 @@
 
 use std::str::FromStr;
 
-use custodian_domain::Amount;
+use custodian_domain::SignedAmount;
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -66,9 +66,8 @@ pub struct PendingDeposit {
 
 /// Formats a signed integer string of smallest units in whole units.
 pub fn signed_display(units: &str, decimals: u8) -> String {
-    let (sign, digits) = units.strip_prefix('-').map_or(("", units), |d| ("-", d));
-    let amount = Amount::from_str(digits).expect("BUG: the database returned a non-integer amount");
-    format!("{sign}{}", amount.to_decimal_string(decimals))
+    let balance = SignedAmount::from_str(units).expect("BUG: the database returned a non-integer amount");
+    balance.to_decimal_string(decimals)
 }
 
 const BALANCES: &str = "

@@ -13,6 +13,7 @@ use std::str::FromStr;
 use alloy_primitives::U256;
 use bitcoin::consensus::deserialize;
 use bitcoin::{OutPoint, Transaction, Txid};
+use custodian_domain::withdrawal::AttemptKind;
 
 use crate::replay::Difference;
 
@@ -61,7 +62,14 @@ pub(crate) async fn verify(tx: &deadpool_postgres::Transaction<'_>) -> Result<Ve
         )
         .await?;
     for row in &attempts {
-        let (hash, spend, kind): (String, i64, String) = (row.get(0), row.get(1), row.get(2));
+        let (hash, spend): (String, i64) = (row.get(0), row.get(1));
+        let kind = match row.get::<_, &str>(2).parse::<AttemptKind>() {
+            Ok(kind) => kind,
+            Err(e) => {
+                differ(format!("attempt {hash}: {e}"));
+                continue;
+            }
+        };
         let fee = sat(row.get(4));
         fees.insert(hash.clone(), fee);
         spend_of.insert(hash.clone(), spend);
@@ -78,7 +86,7 @@ pub(crate) async fn verify(tx: &deadpool_postgres::Transaction<'_>) -> Result<Ve
             differ(format!("attempt {hash}: spends {inputs:?}, but spend {spend} reserved {:?}", coins.keys()));
             continue;
         }
-        if kind != "cancel" {
+        if kind != AttemptKind::Cancel {
             for (id, vout, destination, amount) in payouts.get(&spend).map(Vec::as_slice).unwrap_or_default() {
                 let paid = signed.output.get(*vout).map(|o| (o.script_pubkey.clone(), o.value.to_sat()));
                 if paid != script_of(destination).map(|s| (s, *amount)) {
@@ -89,8 +97,11 @@ pub(crate) async fn verify(tx: &deadpool_postgres::Transaction<'_>) -> Result<Ve
             }
         }
         let change = row.get::<_, Option<i32>>(5).and_then(|o| usize::try_from(o).ok());
-        let expected_outputs =
-            if kind == "cancel" { 1 } else { payouts.get(&spend).map_or(0, Vec::len) + usize::from(change.is_some()) };
+        let expected_outputs = if kind == AttemptKind::Cancel {
+            1
+        } else {
+            payouts.get(&spend).map_or(0, Vec::len) + usize::from(change.is_some())
+        };
         if signed.output.len() != expected_outputs {
             differ(format!(
                 "attempt {hash}: {} outputs where its payouts and change make {expected_outputs}",

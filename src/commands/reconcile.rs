@@ -7,7 +7,7 @@
 //! custody. Exit 0 when everything is equal, 3 with each difference named.
 
 use anyhow::{Context, Result};
-use custodian_domain::Chain;
+use custodian_domain::{Amount, Chain, SignedAmount};
 use serde::Serialize;
 use serde_json::json;
 
@@ -19,24 +19,25 @@ use crate::settings::Settings;
 struct AssetLine {
     asset: String,
     /// What the chain says our addresses hold.
-    chain: String,
+    chain: SignedAmount,
     /// The ledger's `custody`.
-    custody: String,
+    custody: SignedAmount,
     /// Observed on our canonical chain, not credited: the chain holds it, the ledger does not yet.
-    uncredited: String,
+    uncredited: SignedAmount,
     /// chain − custody − uncredited.
-    difference: String,
+    difference: SignedAmount,
     /// What customers are owed: available plus held.
-    owed: String,
+    owed: SignedAmount,
     /// custody − owed: the treasury's own (negative: we owe more than we hold).
-    surplus: String,
+    surplus: SignedAmount,
 }
 
-fn sub(a: i128, b: i128) -> i128 {
-    a.checked_sub(b).expect("BUG: a balance beyond i128")
+/// `a - b`, exact over the whole range of balances (a token's may be anything below 2^256).
+fn sub(a: SignedAmount, b: SignedAmount) -> Result<SignedAmount> {
+    a.checked_sub(b).with_context(|| format!("reconciling {a} - {b}"))
 }
 
-fn parse(text: &str) -> i128 {
+fn parse(text: &str) -> SignedAmount {
     text.parse().expect("BUG: the database returned a non-integer amount")
 }
 
@@ -168,27 +169,27 @@ pub async fn run(
                         }
                     }
                     .with_context(|| format!("reading {asset} held by {address} at block {tip}"))?;
-                    sum = sum.saturating_add(balance);
+                    sum = sum.checked_add(balance).with_context(|| format!("{asset} held beyond 2^256 - 1"))?;
                 }
-                i128::try_from(sum).expect("BUG: a balance beyond i128")
+                SignedAmount::from(Amount::from_units(sum))
             }
         };
         lines.push(AssetLine {
             asset,
-            chain: held.to_string(),
-            custody: custody.to_string(),
-            uncredited: uncredited.to_string(),
-            difference: sub(sub(held, custody), uncredited).to_string(),
-            owed: owed.to_string(),
-            surplus: sub(custody, owed).to_string(),
+            chain: held,
+            custody,
+            uncredited,
+            difference: sub(sub(held, custody)?, uncredited)?,
+            owed,
+            surplus: sub(custody, owed)?,
         });
     }
     // A difference: the chain and the ledger disagree, or customers are owed more than we hold.
     let differences: Vec<String> = lines
         .iter()
-        .filter(|l| l.difference != "0" || l.surplus.starts_with('-'))
+        .filter(|l| !l.difference.is_zero() || l.surplus.is_negative())
         .map(|l| {
-            if l.difference != "0" {
+            if !l.difference.is_zero() {
                 format!(
                     "{}: the chain holds {} at our addresses, the ledger's custody is {} with {} observed and not yet \
                      credited: {} unexplained",
@@ -201,7 +202,7 @@ pub async fn run(
         .collect();
     for line in &lines {
         metrics::gauge!("custodian_reconciliation_difference", "asset" => line.asset.clone())
-            .set(if line.difference == "0" { 0.0 } else { 1.0 });
+            .set(if line.difference.is_zero() { 0.0 } else { 1.0 });
     }
     Ok(Reconciliation { assets: lines, differences, skipped })
 }

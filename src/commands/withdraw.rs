@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
+use custodian_domain::withdrawal::AttemptKind;
 use custodian_domain::{Amount, Chain};
 use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
@@ -500,11 +501,11 @@ pub async fn list(
                 .await?
                 .iter()
                 .map(|a| {
-                    let kind: String = a.get(1);
+                    let kind = custodian_withdrawals::sql::stored_kind(a.get(1));
                     json!({
                         "tx_hash": a.get::<_, String>(0),
-                        "intent": if kind == "cancel" { "cancel" } else { "payout" },
-                        "kind": kind,
+                        "intent": if kind == AttemptKind::Cancel { "cancel" } else { "payout" },
+                        "kind": kind.as_str(),
                         "fee_sat": a.get::<_, String>(2),
                         "vsize": a.get::<_, i32>(3),
                     })
@@ -519,7 +520,7 @@ pub async fn list(
             .map(|a| {
                 json!({
                     "tx_hash": a.tx_hash,
-                    "kind": a.kind,
+                    "kind": a.kind.as_str(),
                     "intent": a.intent.as_str(),
                     "max_fee_per_gas_wei": a.max_fee.to_string(),
                 })

@@ -779,4 +779,26 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     assert_eq!(unexplained.code, 3, "{}", unexplained.stdout);
     let named = unexplained.json()["differences"].to_string();
     assert!(named.contains("ETH") && named.contains(&format!("{ETHER} unexplained")), "{named}");
+
+    // Balances beyond i128 (a token's supply may be anything up to 2^256 - 1) are figures like any
+    // other: the exact sum and difference, exit 3, no crash.
+    let huge = U256::from(1u8) << 200;
+    h.rpc("anvil_setBalance", json!([lanes[1].address, format!("{huge:#x}")])).await;
+    h.mine(1).await;
+    let mut chain = U256::ZERO;
+    for address in [lanes[0].address.as_str(), lanes[1].address.as_str(), deposit_address] {
+        chain += h.balance(address).await;
+    }
+    let ledger: U256 = custody(&h).await.parse().unwrap();
+    let env_huge = vec![
+        ("CUSTODIAN_DATABASE_URL".to_owned(), h.db.url.expose().to_owned()),
+        ("CUSTODIAN_ETH_RPC_URL".to_owned(), h.anvil.url.clone()),
+    ];
+    let scanned = crate::harness::custodian_env_async(env_huge.clone(), &["scan", "--chain", "eth", "--once"]).await;
+    assert_eq!(scanned.code, 0, "{}", scanned.stderr);
+    let beyond = crate::harness::custodian_env_async(env_huge, &["reconcile", "--json"]).await;
+    assert_eq!(beyond.code, 3, "{}{}", beyond.stdout, beyond.stderr);
+    let eth = beyond.json()["assets"].as_array().unwrap().iter().find(|a| a["asset"] == "ETH").cloned().unwrap();
+    assert_eq!(eth["chain"].as_str(), Some(chain.to_string().as_str()));
+    assert_eq!(eth["difference"].as_str(), Some((chain - ledger).to_string().as_str()), "{eth}");
 }

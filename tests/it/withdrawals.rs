@@ -460,7 +460,7 @@ async fn a_base_fee_spike_is_answered_by_a_bump_that_settlement_finds_by_nonce()
     .await;
     let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id).await.unwrap();
     assert_eq!(attempts.len(), 2, "the original is still recorded");
-    assert_eq!(attempts[1].kind, "bump");
+    assert_eq!(attempts[1].kind, custodian_domain::withdrawal::AttemptKind::Bump);
     assert!(attempts[1].max_fee * U256::from(8) >= attempts[0].max_fee * U256::from(9), "raised at least 12.5%");
     let done = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
     assert_eq!(done.tx_hash.as_deref(), Some(attempts[1].tx_hash.as_str()), "settled on the bump");
@@ -1267,7 +1267,7 @@ async fn requests_recorded_together_are_each_answered_as_alone_and_a_short_one_w
     assert_eq!((resent.withdrawal.id, resent.created), (ids[0], false));
     assert!(answers[2].as_ref().unwrap().created);
     match &answers[3] {
-        Err(RequestError::InsufficientFunds { available, .. }) => assert_eq!(available, "0"),
+        Err(RequestError::InsufficientFunds { available, .. }) => assert_eq!(available.to_string(), "0"),
         other => panic!("the third ether is not there: {other:?}"),
     }
     assert!(matches!(answers[4], Err(RequestError::InsufficientFunds { .. })), "bob has nothing left");

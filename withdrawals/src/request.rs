@@ -3,7 +3,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress};
+use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, SignedAmount};
 use custodian_store::AppendError;
 use serde::Serialize;
 
@@ -59,8 +59,8 @@ pub enum RequestError {
         asset: String,
         /// Requested.
         requested: Amount,
-        /// Available now.
-        available: String,
+        /// Available now (below zero when a reversed deposit left the account owing).
+        available: SignedAmount,
     },
     /// The lane the withdrawal hashes to is paused.
     #[error("lane {lane} is paused: {reason}")]
@@ -336,7 +336,7 @@ fn refusal(e: &tokio_postgres::Error, request: &Request) -> Option<Result<Tried,
         "CW003" => Some(Err(RequestError::InsufficientFunds {
             asset: request.asset.clone(),
             requested: request.amount,
-            available: detail(),
+            available: detail().parse().expect("BUG: CW003's detail is a balance"),
         })),
         _ => None,
     }
@@ -653,16 +653,15 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
         return Err(RequestError::Invalid(format!("unknown account {}", request.account_id)));
     }
     let read = &reads[1][0];
-    let (earlier, available, past_day): (Option<i64>, String, U256) = (read.get(0), read.get(1), read.get(2));
+    let (earlier, available, past_day): (Option<i64>, &str, U256) = (read.get(0), read.get(1), read.get(2));
+    let available: SignedAmount = available.parse().expect("BUG: the database returned a non-integer balance");
     // A duplicate that waited for the lock while the first request committed finds it now,
     // instead of reading the balance that request already spent.
     if let Some(earlier) = earlier {
         tx.rollback().await?;
         return Ok(Tried::Raced(earlier));
     }
-    let enough = !available.starts_with('-')
-        && available.parse::<Amount>().expect("BUG: the database returned a non-integer balance") >= request.amount;
-    if !enough {
+    if !available.covers(request.amount) {
         tx.rollback().await?;
         return Err(RequestError::InsufficientFunds {
             asset: request.asset.clone(),

@@ -5,7 +5,7 @@
 //! writers never race on one stream; the expected-sequence append is the second wall.
 
 use alloy_primitives::U256;
-use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
 use custodian_store::{append_withdrawal_event, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
@@ -290,8 +290,8 @@ impl Intent {
 pub struct Attempt {
     /// Hash.
     pub tx_hash: String,
-    /// `original`, `bump` or `cancel`: how it came to be signed.
-    pub kind: String,
+    /// How it came to be signed.
+    pub kind: AttemptKind,
     /// What it was signed to do.
     pub intent: Intent,
     /// Exact bytes.
@@ -331,11 +331,16 @@ pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attem
     Ok(rows.iter().map(|r| attempt_from_row(r, 0)).collect())
 }
 
+/// An attempt's kind as stored (a check constraint allows only the three names).
+pub fn stored_kind(kind: &str) -> AttemptKind {
+    kind.parse().expect("BUG: the database holds an unknown attempt kind")
+}
+
 /// An attempt from `tx_hash, kind, intent, raw_tx, max_fee` starting at column `at`.
 fn attempt_from_row(r: &tokio_postgres::Row, at: usize) -> Attempt {
     Attempt {
         tx_hash: r.get(at),
-        kind: r.get(at + 1),
+        kind: stored_kind(r.get(at + 1)),
         intent: if r.get::<_, &str>(at + 2) == "cancel" { Intent::Cancel } else { Intent::Payout },
         raw: r.get(at + 3),
         max_fee: r.get(at + 4),
@@ -348,8 +353,8 @@ pub struct NewAttempt<'a> {
     pub from: &'a str,
     /// Nonce.
     pub nonce: u64,
-    /// `bump` or `cancel`.
-    pub kind: &'a str,
+    /// How it came to be signed.
+    pub kind: AttemptKind,
     /// What it does.
     pub intent: Intent,
     /// Destination, value and calldata it was signed with.
@@ -380,7 +385,7 @@ pub async fn insert_attempt(
             &w.id,
             &a.from,
             &i64::try_from(a.nonce).expect("BUG: nonce beyond i64"),
-            &a.kind,
+            &a.kind.as_str(),
             &a.intent.as_str(),
             &to,
             &value,

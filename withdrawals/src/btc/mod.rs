@@ -20,7 +20,7 @@ use std::time::Duration;
 use alloy_primitives::U256;
 use bitcoin::consensus::{deserialize, serialize};
 use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
-use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, BtcAddress, BtcNetwork};
 use custodian_store::{Pipelined, Pool};
 use deadpool_postgres::GenericClient;
@@ -104,7 +104,7 @@ struct StoredAttempt {
     raw: Vec<u8>,
     fee: u64,
     vsize: u64,
-    kind: String,
+    kind: AttemptKind,
     change_output: Option<usize>,
     change_index: Option<i32>,
 }
@@ -592,7 +592,7 @@ impl BtcWorker {
             raw: row.get(0),
             fee: sat(&row.get::<_, U256>(1)),
             vsize: u64::try_from(row.get::<_, i32>(2)).expect("BUG: negative vsize"),
-            kind: row.get(3),
+            kind: sql::stored_kind(row.get(3)),
             change_output: row.get::<_, Option<i32>>(4).map(|o| usize::try_from(o).expect("BUG: negative output")),
             change_index: row.get(5),
         })
@@ -688,8 +688,8 @@ impl BtcWorker {
                 }
                 continue;
             };
-            let (tx_hash, block_hash, height, kind): (String, String, i64, Option<String>) =
-                (found.get(3), found.get(4), found.get(5), found.get(6));
+            let (tx_hash, block_hash, height): (String, String, i64) = (found.get(3), found.get(4), found.get(5));
+            let kind: Option<AttemptKind> = found.get::<_, Option<&str>>(6).map(sql::stored_kind);
             let height = u64::try_from(height).expect("BUG: negative height");
             let same = w.state == WithdrawalState::Mined
                 && w.tx_hash.as_deref() == Some(tx_hash.as_str())
@@ -715,7 +715,7 @@ impl BtcWorker {
             }
             let attempt = Self::attempt(&client, &tx_hash).await?;
             let mined = |w: &Withdrawal| w.state == WithdrawalState::Mined;
-            if kind.as_deref() == Some("cancel") {
+            if kind == Some(AttemptKind::Cancel) {
                 let event =
                     WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash.clone()), fee: units(attempt.fee), by: None };
                 let fee = units(attempt.fee);
@@ -882,7 +882,7 @@ impl BtcWorker {
             };
             key.sign(&mut replacement, &prevouts);
             let change_index = change_output.and(attempt.change_index);
-            let kind = if attempt.kind == "cancel" { "cancel" } else { "bump" };
+            let kind = attempt.kind.replaced();
             if self
                 .store_replacement(lane, &spend, &live, kind, &replacement, fee, change_output, change_index, None, tip)
                 .await?
@@ -904,7 +904,7 @@ impl BtcWorker {
         lane: &Lane,
         spend: &OpenSpend,
         live: &str,
-        kind: &str,
+        kind: AttemptKind,
         replacement: &Transaction,
         fee: u64,
         change_output: Option<usize>,
@@ -952,7 +952,7 @@ impl BtcWorker {
             &[
                 &txid,
                 &spend.id,
-                &kind,
+                &kind.as_str(),
                 &serialize(replacement),
                 &U256::from(fee),
                 &i32::try_from(replacement.vsize()).expect("BUG: vsize beyond i32"),
@@ -984,7 +984,7 @@ impl BtcWorker {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let Some(live) = w.live_attempt.clone() else { continue };
             let attempt = Self::attempt(&client, &live).await?;
-            if attempt.kind == "cancel" {
+            if attempt.kind == AttemptKind::Cancel {
                 continue;
             }
             let original: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
@@ -1020,7 +1020,7 @@ impl BtcWorker {
                     lane,
                     &spend,
                     &live,
-                    "cancel",
+                    AttemptKind::Cancel,
                     &cancel,
                     fee,
                     Some(0),

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use alloy_primitives::{Address, Bytes, TxKind, U256};
-use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
 
 use super::{PassReport, WorkError, Worker};
@@ -185,7 +185,7 @@ impl Worker {
         let call = payout::Call::of(&next).expect("BUG: we never sign a creation");
         let signed = signer.sign(next)?;
         let hash = hex(signed.hash);
-        let kind = if why == Why::Cancel { "cancel" } else { "bump" };
+        let kind = if why == Why::Cancel { AttemptKind::Cancel } else { AttemptKind::Bump };
         let to = hex(call.to);
         let attempt = NewAttempt {
             from: &lane.address,
@@ -201,7 +201,7 @@ impl Worker {
         sql::insert_attempt(&tx, &w, &attempt).await?;
         sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: hash.clone(), at_block: head }).await?;
         tx.commit().await?;
-        metrics::counter!("custodian_bumps_total", "kind" => kind).increment(1);
+        metrics::counter!("custodian_bumps_total", "kind" => kind.as_str()).increment(1);
         if let Err(e) = self.node.send_raw(&signed.raw).await {
             tracing::warn!(withdrawal = id, %hash, "sending the {kind} attempt failed; retried next pass: {e}");
         }
