@@ -10,6 +10,7 @@ pub mod chain;
 pub mod external_id;
 pub mod hash;
 pub mod hd;
+pub mod nonce;
 pub mod withdrawal;
 
 pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};
@@ -18,3 +19,4 @@ pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};
 pub use external_id::{ExternalId, ExternalIdError};
 pub use hash::{BlockHash, HashError, TxHash};
+pub use nonce::Nonce;

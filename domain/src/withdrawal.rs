@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
+use crate::nonce::Nonce;
 
 /// One event of a withdrawal's stream. The tag is the stored `event_type`; the rest is the payload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,7 +66,7 @@ pub enum WithdrawalEvent {
         from_address: String,
         /// The nonce; BTC has none (its attempts spend reserved coins).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        nonce: Option<u64>,
+        nonce: Option<Nonce>,
         /// Hash of the signed transaction.
         tx_hash: String,
         /// Chain head when signed (bumps count blocks from here).
@@ -370,7 +371,7 @@ pub struct Withdrawal {
     /// Hot wallet, once signed.
     pub from_address: Option<String>,
     /// Nonce, once signed.
-    pub nonce: Option<u64>,
+    pub nonce: Option<Nonce>,
     /// The attempt that matters now: the latest signed, or the one mined.
     pub tx_hash: Option<String>,
     /// Block of the mined attempt.
@@ -602,7 +603,7 @@ mod tests {
     fn events_round_trip_as_tagged_json() {
         let event = WithdrawalEvent::Signed {
             from_address: "0xab".into(),
-            nonce: Some(7),
+            nonce: Some(Nonce::new(7)),
             tx_hash: "0x01".into(),
             at_block: 3,
         };
@@ -618,7 +619,8 @@ mod tests {
     fn the_fold_follows_the_life_of_a_withdrawal() {
         use WithdrawalEvent as E;
         use WithdrawalState as S;
-        let signed = E::Signed { from_address: "0xab".into(), nonce: Some(0), tx_hash: "0x01".into(), at_block: 1 };
+        let signed =
+            E::Signed { from_address: "0xab".into(), nonce: Some(Nonce::ZERO), tx_hash: "0x01".into(), at_block: 1 };
         let mined = E::Mined { tx_hash: "0x02".into(), block_hash: "0xb1".into(), block_number: 5 };
         let cases: Vec<(Vec<WithdrawalEvent>, S, Option<&str>)> = vec![
             (vec![requested()], S::Requested, None),

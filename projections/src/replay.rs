@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
+use custodian_domain::Nonce;
 use futures::{pin_mut, TryStreamExt};
 use serde::Serialize;
 
@@ -412,8 +413,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let column = |f: fn(&Withdrawal) -> Option<String>| rebuilt.iter().map(f).collect::<Vec<_>>();
     let ids: Vec<i64> = rebuilt.iter().map(|w| w.id).collect();
     let seqs: Vec<i32> = rebuilt.iter().map(|w| w.last_seq).collect();
-    let nonces: Vec<Option<i64>> =
-        rebuilt.iter().map(|w| w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64"))).collect();
+    let nonces: Vec<Option<i64>> = rebuilt.iter().map(|w| w.nonce.map(Nonce::stored)).collect();
     let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id).collect();
     let stuck: Vec<bool> = rebuilt.iter().map(|w| w.stuck_at_cap).collect();
     let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [

@@ -303,7 +303,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
     for lane in &lanes {
         let mut used = nonces.remove(&lane.address).unwrap_or_default();
         used.sort_unstable();
-        let expected: Vec<u64> = (0..u64::try_from(lane.next_nonce).unwrap()).collect();
+        let expected: Vec<u64> = (0..lane.next_nonce.get()).collect();
         assert_eq!(
             used, expected,
             "seed {seed}: lane {}'s nonces are contiguous and every allocated one used",

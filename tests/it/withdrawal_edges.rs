@@ -484,8 +484,8 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
         };
         key.sign(tx).unwrap()
     };
-    let paid = outside(w1.nonce.unwrap(), &w1.destination, U256::from(ETHER));
-    let other = outside(w2.nonce.unwrap(), FUNDER, U256::from(1u8));
+    let paid = outside(w1.nonce.unwrap().get(), &w1.destination, U256::from(ETHER));
+    let other = outside(w2.nonce.unwrap().get(), FUNDER, U256::from(1u8));
     for signed in [&paid, &other] {
         h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
     }

@@ -159,7 +159,7 @@ async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_
         .await
         .unwrap()
         .into_iter()
-        .map(|l| (l.lane, l.next_nonce))
+        .map(|l| (l.lane, l.next_nonce.stored()))
         .collect();
     let clients = accounts.iter().enumerate().map(|(c, account)| {
         let (h, account) = (h.clone(), *account);
@@ -518,7 +518,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     let thief = h.signers["a"].clone();
     let outside = alloy::consensus::TxEip1559 {
         chain_id: 31337,
-        nonce: ours.nonce.unwrap(),
+        nonce: ours.nonce.unwrap().get(),
         gas_limit: 21_000,
         max_fee_per_gas: 1_000_000_000_000,
         max_priority_fee_per_gas: 500_000_000_000,
@@ -558,7 +558,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     let resynced = cli(&["hot-wallet", "resync", "--lane", "a", "--json"]).await;
     assert_eq!(resynced.code, 0, "{}", resynced.stderr);
     assert_eq!(resynced.json()["chain_nonce"], chain_nonce);
-    assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce.unwrap() + 1));
+    assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce.unwrap().next().get()));
     assert_eq!(
         h.count("select count(*) from operator_action where action = 'lane_resynced' and principal = 'operator'").await,
         1

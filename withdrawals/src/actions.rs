@@ -241,7 +241,7 @@ pub async fn resolve(
                     hex(tx.from)
                 )));
             }
-            if tx.nonce.to::<u64>() != nonce {
+            if tx.nonce.to::<u64>() != nonce.get() {
                 return Err(refuse(format!(
                     "transaction {hash} used nonce {}, the withdrawal nonce {nonce}",
                     tx.nonce.to::<u64>()

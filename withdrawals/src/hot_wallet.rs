@@ -1,5 +1,6 @@
 //! Hot wallets: one lane each, the row whose lock serialises every withdrawal leaving it.
 
+use custodian_domain::Nonce;
 use custodian_store::operator::{self, Action};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
@@ -14,7 +15,7 @@ pub struct Lane {
     /// Hot wallet address (lowercase hex).
     pub address: String,
     /// The next nonce we will allocate.
-    pub next_nonce: i64,
+    pub next_nonce: Nonce,
     /// Why it is paused, if it is.
     pub pause_reason: Option<String>,
     /// What the hot wallet is short of, if anything: its withdrawals wait until it is topped up.
@@ -82,7 +83,7 @@ pub(crate) fn lane_from_row(r: &tokio_postgres::Row) -> Lane {
     Lane {
         lane: r.get(0),
         address: r.get(1),
-        next_nonce: r.get(2),
+        next_nonce: Nonce::from_stored(r.get(2)),
         pause_reason: r.get(3),
         shortage: r.get(4),
         retired: r.get(5),
@@ -124,10 +125,10 @@ pub async fn add(
         .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
         .await?
         .get(0);
-    let next = i64::try_from(pending).expect("BUG: nonce beyond i64").max(local.map_or(0, |n| n + 1));
+    let next = pending.max(local.map_or(Nonce::ZERO, |n| Nonce::from_stored(n).next()));
     tx.execute(
         "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, $2, $3)",
-        &[&address, &lane, &next],
+        &[&address, &lane, &next.stored()],
     )
     .await?;
     let watched_from = watch_as_treasury(&tx, "eth", address, tip).await?;
@@ -197,13 +198,13 @@ pub struct Resync {
     /// The lane.
     pub lane: String,
     /// The chain's pending nonce of the lane's address, read before the transaction.
-    pub chain_nonce: u64,
+    pub chain_nonce: Nonce,
     /// One above the highest nonce we ever allocated from the address (0 if none).
-    pub local_next: u64,
+    pub local_next: Nonce,
     /// The cursor before.
-    pub previous_next_nonce: u64,
+    pub previous_next_nonce: Nonce,
     /// The cursor now: the larger of the two.
-    pub next_nonce: u64,
+    pub next_nonce: Nonce,
 }
 
 /// Re-syncs a lane's nonce cursor with the chain on `by`'s authority: the cursor becomes the
@@ -235,18 +236,18 @@ pub async fn resync(
         .query_one("select max(nonce) from nonce_allocation where chain = 'eth' and from_address = $1", &[&address])
         .await?
         .get(0);
-    let local_next = highest.map_or(0, |n| u64::try_from(n).expect("BUG: negative nonce") + 1);
+    let local_next = highest.map_or(Nonce::ZERO, |n| Nonce::from_stored(n).next());
     let next = chain_nonce.max(local_next);
     tx.execute(
         "update hot_wallet set next_nonce = $2, needs_resync = false where chain = 'eth' and lane = $1",
-        &[&lane, &i64::try_from(next).expect("BUG: nonce beyond i64")],
+        &[&lane, &next.stored()],
     )
     .await?;
     let done = Resync {
         lane: lane.to_owned(),
         chain_nonce,
         local_next,
-        previous_next_nonce: u64::try_from(previous).expect("BUG: negative nonce"),
+        previous_next_nonce: Nonce::from_stored(previous),
         next_nonce: next,
     };
     operator::record(&tx, Action::LaneResynced, by, &serde_json::to_value(&done).expect("BUG: a resync serialises"))

@@ -4,6 +4,7 @@
 use alloy::rpc::client::RpcClient;
 use alloy::transports::RpcError;
 use alloy_primitives::{Address, Bytes, B256, U256, U64};
+use custodian_domain::Nonce;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -280,7 +281,7 @@ impl EthNode {
     /// The transaction that consumed `nonce` of `address` on the canonical chain, found by
     /// bisecting the nonce count over block numbers and reading that block: `None` while the
     /// nonce is not consumed.
-    pub async fn consumer_of(&self, address: Address, nonce: u64) -> Result<Option<ChainTx>, NodeError> {
+    pub async fn consumer_of(&self, address: Address, nonce: Nonce) -> Result<Option<ChainTx>, NodeError> {
         let head = self.block_number().await?;
         if self.nonce_at(address, head).await? <= nonce {
             return Ok(None);
@@ -299,7 +300,7 @@ impl EthNode {
             .block_transactions(low)
             .await?
             .into_iter()
-            .find(|tx| tx.from == address && tx.nonce.to::<u64>() == nonce);
+            .find(|tx| tx.from == address && tx.nonce.to::<u64>() == nonce.get());
         Ok(found)
     }
 
@@ -330,15 +331,16 @@ impl EthNode {
     }
 
     /// `eth_getTransactionCount` at block `number`: how many of `address`'s transactions that
-    /// block and its ancestors hold.
-    pub async fn nonce_at(&self, address: Address, number: u64) -> Result<u64, NodeError> {
-        Ok(self.call::<_, U64>("eth_getTransactionCount", (address, format!("0x{number:x}"))).await?.to::<u64>())
+    /// block and its ancestors hold, which is the next nonce after them.
+    pub async fn nonce_at(&self, address: Address, number: u64) -> Result<Nonce, NodeError> {
+        let count = self.call::<_, U64>("eth_getTransactionCount", (address, format!("0x{number:x}"))).await?;
+        Ok(Nonce::new(count.to::<u64>()))
     }
 
     /// `eth_getTransactionCount` at `latest` (mined) or `pending`.
-    pub async fn nonce(&self, address: Address, pending: bool) -> Result<u64, NodeError> {
+    pub async fn nonce(&self, address: Address, pending: bool) -> Result<Nonce, NodeError> {
         let tag = if pending { "pending" } else { "latest" };
-        Ok(self.call::<_, U64>("eth_getTransactionCount", (address, tag)).await?.to::<u64>())
+        Ok(Nonce::new(self.call::<_, U64>("eth_getTransactionCount", (address, tag)).await?.to::<u64>()))
     }
 
     /// The hash of the canonical block at `number`.

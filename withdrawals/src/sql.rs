@@ -6,7 +6,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
+use custodian_domain::{Amount, Nonce};
 use custodian_store::{append_withdrawal_event, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -106,7 +106,7 @@ pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
         state: w.state.as_str(),
         lane: w.lane.clone(),
         from_address: w.from_address.clone(),
-        nonce: w.nonce.map(|n| i64::try_from(n).expect("BUG: nonce beyond i64")),
+        nonce: w.nonce.map(Nonce::stored),
         tx_hash: w.tx_hash.clone(),
         mined_block_hash: w.mined_block_hash.clone(),
         last_seq: w.last_seq,
@@ -352,7 +352,7 @@ pub struct NewAttempt<'a> {
     /// Hot wallet.
     pub from: &'a str,
     /// Nonce.
-    pub nonce: u64,
+    pub nonce: Nonce,
     /// How it came to be signed.
     pub kind: AttemptKind,
     /// What it does.
@@ -384,7 +384,7 @@ pub async fn insert_attempt(
             &a.hash,
             &w.id,
             &a.from,
-            &i64::try_from(a.nonce).expect("BUG: nonce beyond i64"),
+            &a.nonce.stored(),
             &a.kind.as_str(),
             &a.intent.as_str(),
             &to,
@@ -421,7 +421,7 @@ pub async fn nonces_in_states<C: GenericClient>(
     client: &C,
     lane: &str,
     states: &[WithdrawalState],
-) -> Result<Vec<(i64, Option<u64>)>, tokio_postgres::Error> {
+) -> Result<Vec<(i64, Option<Nonce>)>, tokio_postgres::Error> {
     let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
     let statement = client
         .prepare_cached(
@@ -429,10 +429,7 @@ pub async fn nonces_in_states<C: GenericClient>(
         )
         .await?;
     let rows = client.query(&statement, &[&lane, &states]).await?;
-    Ok(rows
-        .iter()
-        .map(|r| (r.get(0), r.get::<_, Option<i64>>(1).map(|n| u64::try_from(n).expect("BUG: nonce >= 0 is checked"))))
-        .collect())
+    Ok(rows.iter().map(|r| (r.get(0), r.get::<_, Option<i64>>(1).map(Nonce::from_stored))).collect())
 }
 
 /// Pauses a lane with a reason (kept if already paused).

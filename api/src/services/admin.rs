@@ -29,7 +29,7 @@ fn hot_wallet(lane: Lane) -> pb::HotWallet {
         chain: wire::chain_to_pb(Chain::Eth),
         address: wire::display_address(Chain::Eth, &lane.address),
         lane: lane.lane,
-        next_nonce: lane.next_nonce,
+        next_nonce: lane.next_nonce.stored(),
         paused: lane.pause_reason.is_some(),
         pause_reason: lane.pause_reason,
     }

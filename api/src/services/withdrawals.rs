@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, Chain};
+use custodian_domain::{Amount, Chain, Nonce};
 use custodian_withdrawals::actions;
 use custodian_withdrawals::request::{self, Request as WithdrawalRequest};
 use deadpool_postgres::GenericClient;
@@ -85,7 +85,7 @@ fn withdrawal(row: &Row) -> pb::Withdrawal {
         state: wire::state_to_pb(state),
         lane: row.get::<_, Option<String>>(9).unwrap_or_default(),
         from_address: row.get::<_, Option<&str>>(10).map(|a| wire::display_address(Chain::Eth, a)),
-        nonce: row.get::<_, Option<i64>>(11).map(|n| u64::try_from(n).expect("BUG: nonce >= 0 is checked")),
+        nonce: row.get::<_, Option<i64>>(11).map(|n| Nonce::from_stored(n).get()),
         tx_hash: row.get(12),
         mined_block_hash: row.get(13),
         attempts: Vec::new(),

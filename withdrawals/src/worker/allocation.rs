@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use alloy::consensus::TxEip1559;
 use alloy_primitives::{Address, TxKind, U256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
+use custodian_domain::{Amount, Nonce};
 use custodian_store::Pipelined;
 
 use super::{PassReport, WorkError, Worker};
@@ -492,7 +492,7 @@ impl Worker {
             batch.intent_data.push(input.to_vec());
             unsigned.push(TxEip1559 {
                 chain_id,
-                nonce: u64::try_from(nonce).expect("BUG: negative nonce"),
+                nonce: Nonce::from_stored(nonce).get(),
                 gas_limit: gas[&w.id],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
@@ -516,7 +516,7 @@ impl Worker {
             let hash = hex(signed_tx.hash);
             let event = WithdrawalEvent::Signed {
                 from_address: lane.address.clone(),
-                nonce: Some(u64::try_from(*nonce).expect("BUG: negative nonce")),
+                nonce: Some(Nonce::from_stored(*nonce)),
                 tx_hash: hash.clone(),
                 at_block: head,
             };

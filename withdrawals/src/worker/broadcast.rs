@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
+use custodian_domain::Nonce;
 
 use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
@@ -64,7 +65,7 @@ impl Worker {
         let ids: Vec<i64> = candidates
             .iter()
             .filter(|r| {
-                let nonce = r.get::<_, Option<i64>>(1).map(|n| u64::try_from(n).expect("BUG: nonce >= 0 is checked"));
+                let nonce = r.get::<_, Option<i64>>(1).map(Nonce::from_stored);
                 let (first, siblings) = (r.get::<_, bool>(2), r.get::<_, i64>(3) > 1);
                 match nonce {
                     None => true,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use alloy_primitives::{Address, Bytes, TxKind, U256};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
+use custodian_domain::{Amount, Nonce};
 
 use super::{PassReport, WorkError, Worker};
 use crate::hot_wallet::Lane;
@@ -81,7 +81,7 @@ impl Worker {
         drop(client);
         let Some(row) = lowest else { return Ok(()) };
         let (id, nonce): (i64, Option<i64>) = (row.get(0), row.get(1));
-        let Some(nonce) = nonce.and_then(|n| u64::try_from(n).ok()) else { return Ok(()) };
+        let Some(nonce) = nonce.map(Nonce::from_stored) else { return Ok(()) };
         if self.node.nonce(address, false).await? > nonce {
             return Ok(()); // mined by one of its attempts: settlement records which
         }
@@ -189,7 +189,7 @@ impl Worker {
         let to = hex(call.to);
         let attempt = NewAttempt {
             from: &lane.address,
-            nonce: previous.nonce,
+            nonce: Nonce::new(previous.nonce),
             kind,
             intent,
             call: (&to, call.value, &call.data),

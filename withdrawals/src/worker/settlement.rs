@@ -4,7 +4,7 @@
 
 use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
+use custodian_domain::{Amount, Nonce};
 
 use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
@@ -37,7 +37,7 @@ impl Worker {
             used.push((id, nonce));
             used_ids.push(id);
         }
-        let used: Vec<(i64, u64, Vec<sql::Attempt>)> = used
+        let used: Vec<(i64, Nonce, Vec<sql::Attempt>)> = used
             .into_iter()
             .zip(sql::attempts_many(&client, &used_ids).await?)
             .map(|((id, nonce), attempts)| (id, nonce, attempts))
@@ -76,7 +76,7 @@ impl Worker {
                 None if !self.seen_again(id, head) => {
                     tracing::warn!(
                         withdrawal = id,
-                        nonce,
+                        %nonce,
                         "the chain counts our nonce as used but none of our attempts has \
                         a receipt; looked at again at a later block before raising it"
                     );
@@ -193,7 +193,7 @@ impl Worker {
         lane: &Lane,
         client: &deadpool_postgres::Object,
         head: u64,
-        mined_count: u64,
+        mined_count: Nonce,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         let gone = client
@@ -201,7 +201,7 @@ impl Worker {
                 "select n.withdrawal_id, n.nonce from nonce_allocation n join withdrawal w on w.id = n.withdrawal_id
                   where n.chain = 'eth' and n.from_address = $1 and n.nonce >= $2 and w.state = 'confirmed'
                   order by n.nonce",
-                &[&lane.address, &i64::try_from(mined_count).expect("BUG: nonce beyond i64")],
+                &[&lane.address, &mined_count.stored()],
             )
             .await?;
         for row in gone {
@@ -272,7 +272,7 @@ impl Worker {
             )
             .await?;
         let (next, in_flight): (i64, bool) = (row.get(0), row.get(1));
-        let next = u64::try_from(next).expect("BUG: negative nonce");
+        let next = Nonce::from_stored(next);
         if pending > next {
             let reason =
                 format!("chain nonce {pending} is above our next nonce {next}: the key was used outside the service");
@@ -283,7 +283,7 @@ impl Worker {
             metrics::counter!("custodian_nonce_gap_alerts_total", "lane" => lane.lane.clone()).increment(1);
             report.nonce_gaps.push(format!("{}: chain nonce {pending}, ours {next}", lane.lane));
             tracing::error!(
-                lane = %lane.lane, pending, next,
+                lane = %lane.lane, %pending, %next,
                 "ALERT: the chain's nonce is below our next nonce with nothing of ours in flight: transactions we \
                  recorded as settled are not on this chain (a reorg deeper than the confirmation depth, or another \
                  node); see `custodian withdrawals list --state needs_review` and `hot-wallet resync`"
