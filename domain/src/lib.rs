@@ -10,6 +10,7 @@ pub mod chain;
 pub mod external_id;
 pub mod hash;
 pub mod hd;
+pub mod ledger_account;
 pub mod nonce;
 pub mod withdrawal;
 
@@ -19,4 +20,5 @@ pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};
 pub use external_id::{ExternalId, ExternalIdError};
 pub use hash::{BlockHash, HashError, TxHash};
+pub use ledger_account::LedgerAccount;
 pub use nonce::Nonce;

@@ -9,7 +9,7 @@
 //! by the pass, and deciding it is refused.
 
 use alloy_primitives::U256;
-use custodian_domain::Amount;
+use custodian_domain::{Amount, LedgerAccount};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -157,15 +157,15 @@ pub async fn decide(
     // Debiting a customer takes their account lock, as a withdrawal request does: a request
     // cannot spend, between its balance check and its commit, what this decision takes back.
     if approve {
-        if let Some(account) = current.ledger_account.strip_prefix("user:").and_then(|id| id.parse::<i64>().ok()) {
+        if let Ok(LedgerAccount::User(account)) = current.ledger_account.parse::<LedgerAccount>() {
             tx.query_opt("select 1 from account where id = $1 for update", &[&account]).await?;
         }
     }
     // Approve: the credited account gives the money back. Reject: the operator absorbs the loss.
     let (key, kind, debited) = if approve {
-        (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", current.ledger_account.as_str())
+        (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", current.ledger_account.clone())
     } else {
-        (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", "treasury")
+        (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", LedgerAccount::Treasury.to_string())
     };
     let transfer: i64 = tx
         .query_one(

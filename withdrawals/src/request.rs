@@ -3,7 +3,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, SignedAmount};
+use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, LedgerAccount, SignedAmount};
 use custodian_store::AppendError;
 use serde::Serialize;
 
@@ -766,7 +766,7 @@ async fn batch(
     }
     // One order of locks for every batch: by ledger account as text, the order in which the
     // balance trigger and the deposit posting pass touch `user_balance` rows too.
-    together.sort_by_cached_key(|(_, c)| (format!("user:{}", c.withdrawal.account_id), c.id));
+    together.sort_by_cached_key(|(_, c)| (LedgerAccount::User(c.withdrawal.account_id).to_string(), c.id));
     if together.len() < 2 {
         return Ok(outcomes); // one is cheaper on its own path
     }

@@ -6,7 +6,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, Nonce};
+use custodian_domain::{Amount, LedgerAccount, Nonce};
 use custodian_store::{append_withdrawal_event, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -222,32 +222,21 @@ impl TransferParts {
 /// The transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]); `None` when it moves
 /// nothing. The posting rules of withdrawals, stated here once.
 pub(crate) fn transfer_parts(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<TransferParts> {
-    // An internal withdrawal (rebalancing) is paid from treasury, a customer's from its account.
-    let user = if w.treasury { "treasury".to_owned() } else { format!("user:{}", w.account_id) };
+    use LedgerAccount::{Custody, NetworkFees, WithdrawalHolds};
+    let payer = LedgerAccount::payer(w.account_id, w.treasury);
     let (kind, suffix, debit, credit, asset, amount) = match movement {
-        Movement::Hold => ("withdrawal_hold", "hold", user, "withdrawal_holds".to_owned(), w.asset.as_str(), w.amount),
-        Movement::Release => {
-            ("withdrawal_release", "release", "withdrawal_holds".to_owned(), user, w.asset.as_str(), w.amount)
-        }
-        Movement::Settle => (
-            "withdrawal_settle",
-            "settle",
-            "withdrawal_holds".to_owned(),
-            "custody".to_owned(),
-            w.asset.as_str(),
-            w.amount,
-        ),
+        Movement::Hold => ("withdrawal_hold", "hold", payer, WithdrawalHolds, w.asset.as_str(), w.amount),
+        Movement::Release => ("withdrawal_release", "release", WithdrawalHolds, payer, w.asset.as_str(), w.amount),
+        Movement::Settle => ("withdrawal_settle", "settle", WithdrawalHolds, Custody, w.asset.as_str(), w.amount),
         // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
-        Movement::Fee => {
-            ("network_fee", "fee", "network_fees".to_owned(), "custody".to_owned(), fee_asset(&w.asset), fee)
-        }
+        Movement::Fee => ("network_fee", "fee", NetworkFees, Custody, fee_asset(&w.asset), fee),
     };
     (!amount.is_zero()).then(|| TransferParts {
         key: format!("withdrawal:{}:{suffix}", w.id),
         kind,
         withdrawal_id: w.id,
-        debit,
-        credit,
+        debit: debit.to_string(),
+        credit: credit.to_string(),
         asset: asset.to_owned(),
         amount: amount.units(),
     })
