@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
-use custodian_domain::Nonce;
+use custodian_domain::{LedgerAccount, Nonce};
 use futures::{pin_mut, TryStreamExt};
 use serde::Serialize;
 
@@ -469,8 +469,9 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let mut assets = Vec::new();
     let mut nets = Vec::new();
     for ((account, asset), (credits, debits)) in balances {
-        // user accounts are liabilities (credit-normal); the rest are assets (debit-normal).
-        let (plus, minus) = if account.starts_with("user:") { (credits, debits) } else { (debits, credits) };
+        // customers' accounts are liabilities (credit-normal); the rest are assets (debit-normal).
+        let customer = matches!(account.parse::<LedgerAccount>(), Ok(LedgerAccount::User(_)));
+        let (plus, minus) = if customer { (credits, debits) } else { (debits, credits) };
         let net = if plus >= minus { (plus - minus).to_string() } else { format!("-{}", minus - plus) };
         accounts.push(account);
         assets.push(asset);

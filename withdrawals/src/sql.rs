@@ -388,6 +388,24 @@ pub async fn insert_attempt(
     Ok(())
 }
 
+/// Ids of the lane's oldest `limit` withdrawals in `state`, oldest first: a backlog is read a
+/// pass's worth at a time, not whole at every pass.
+pub async fn oldest_in_state<C: GenericClient>(
+    client: &C,
+    lane: &str,
+    state: WithdrawalState,
+    limit: usize,
+) -> Result<Vec<i64>, tokio_postgres::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = client
+        .query(
+            "select id from withdrawal where chain = 'eth' and lane = $1 and state = $2 order by id limit $3",
+            &[&lane, &state.as_str(), &limit],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// Ids of the lane's withdrawals in one of `states`, oldest first.
 pub async fn in_states<C: GenericClient>(
     client: &C,

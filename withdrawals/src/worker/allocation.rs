@@ -228,9 +228,14 @@ impl Worker {
         report: &mut PassReport,
     ) -> Result<usize, WorkError> {
         let client = self.pool.get().await?;
-        let mut candidates = sql::in_states(&client, &lane.lane, &[WithdrawalState::Requested]).await?;
         let batch = usize::try_from(self.config.batch_size).expect("BUG: negative batch").max(1);
-        candidates.truncate(batch.saturating_mul(MAX_BATCHES_PER_PASS));
+        let candidates = sql::oldest_in_state(
+            &client,
+            &lane.lane,
+            WithdrawalState::Requested,
+            batch.saturating_mul(MAX_BATCHES_PER_PASS),
+        )
+        .await?;
         if candidates.is_empty() {
             self.set_shortage(lane, None).await?;
             return Ok(0);
