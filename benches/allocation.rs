@@ -117,8 +117,8 @@ async fn drain(
     batch: usize,
     limit: usize,
 ) -> (u64, Duration) {
-    let mut ids = sql::in_states(&pool.get().await.unwrap(), &lane.lane, &[WithdrawalState::Requested]).await.unwrap();
-    ids.truncate(limit);
+    let ids =
+        sql::in_state(&pool.get().await.unwrap(), &lane.lane, WithdrawalState::Requested, Some(limit)).await.unwrap();
     let started = Instant::now();
     let mut signed = 0;
     for chunk in ids.chunks(batch) {

@@ -215,6 +215,14 @@ pub enum SignedAmount {
 }
 
 impl SignedAmount {
+    /// `plus - minus`: always representable, never a negative zero.
+    pub fn difference(plus: Amount, minus: Amount) -> SignedAmount {
+        match plus.checked_sub(minus) {
+            Ok(held) => SignedAmount::NonNegative(held),
+            Err(_) => SignedAmount::Negative(minus.checked_sub(plus).expect("BUG: minus exceeds plus here")),
+        }
+    }
+
     /// `self - other`, exact; `Overflow` only beyond ±(2^256 - 1).
     pub fn checked_sub(self, other: SignedAmount) -> Result<SignedAmount, AmountError> {
         self.checked_add(other.negated())
@@ -223,28 +231,17 @@ impl SignedAmount {
     /// `self + other`, exact; `Overflow` only beyond ±(2^256 - 1).
     pub fn checked_add(self, other: SignedAmount) -> Result<SignedAmount, AmountError> {
         use SignedAmount::{Negative, NonNegative};
-        let signed = |negative: bool, magnitude: Amount| match (negative, magnitude.is_zero()) {
-            (true, false) => Negative(magnitude),
-            _ => NonNegative(magnitude),
-        };
         Ok(match (self, other) {
             (NonNegative(a), NonNegative(b)) => NonNegative(a.checked_add(b)?),
             (Negative(a), Negative(b)) => Negative(a.checked_add(b)?),
-            (NonNegative(a), Negative(b)) | (Negative(b), NonNegative(a)) => {
-                if a >= b {
-                    signed(false, a.checked_sub(b)?)
-                } else {
-                    signed(true, b.checked_sub(a)?)
-                }
-            }
+            (NonNegative(a), Negative(b)) | (Negative(b), NonNegative(a)) => SignedAmount::difference(a, b),
         })
     }
 
     /// The same magnitude, the other sign.
     pub fn negated(self) -> SignedAmount {
         match self {
-            SignedAmount::NonNegative(a) if !a.is_zero() => SignedAmount::Negative(a),
-            SignedAmount::NonNegative(zero) => SignedAmount::NonNegative(zero),
+            SignedAmount::NonNegative(a) => SignedAmount::difference(Amount::ZERO, a),
             SignedAmount::Negative(a) => SignedAmount::NonNegative(a),
         }
     }
@@ -302,10 +299,7 @@ impl std::str::FromStr for SignedAmount {
     /// Parses a signed count of smallest units (`numeric::text`); `-0` is zero.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.strip_prefix('-') {
-            Some(owed) => {
-                let owed: Amount = owed.parse()?;
-                Ok(if owed.is_zero() { SignedAmount::NonNegative(owed) } else { SignedAmount::Negative(owed) })
-            }
+            Some(owed) => Ok(SignedAmount::difference(Amount::ZERO, owed.parse()?)),
             None => Ok(SignedAmount::NonNegative(s.parse()?)),
         }
     }

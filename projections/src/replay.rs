@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
-use custodian_domain::{LedgerAccount, Nonce};
+use custodian_domain::{Amount, LedgerAccount, Nonce, SignedAmount};
 use futures::{pin_mut, TryStreamExt};
 use serde::Serialize;
 
@@ -472,7 +472,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         // customers' accounts are liabilities (credit-normal); the rest are assets (debit-normal).
         let customer = matches!(account.parse::<LedgerAccount>(), Ok(LedgerAccount::User(_)));
         let (plus, minus) = if customer { (credits, debits) } else { (debits, credits) };
-        let net = if plus >= minus { (plus - minus).to_string() } else { format!("-{}", minus - plus) };
+        let net = SignedAmount::difference(Amount::from_units(plus), Amount::from_units(minus)).to_string();
         accounts.push(account);
         assets.push(asset);
         nets.push(net);

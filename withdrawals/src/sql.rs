@@ -388,15 +388,15 @@ pub async fn insert_attempt(
     Ok(())
 }
 
-/// Ids of the lane's oldest `limit` withdrawals in `state`, oldest first: a backlog is read a
-/// pass's worth at a time, not whole at every pass.
-pub async fn oldest_in_state<C: GenericClient>(
+/// Ids of the lane's withdrawals in `state`, oldest first; at most `limit` of them (`None`: all),
+/// so a backlog is read a pass's worth at a time, not whole at every pass.
+pub async fn in_state<C: GenericClient>(
     client: &C,
     lane: &str,
     state: WithdrawalState,
-    limit: usize,
+    limit: Option<usize>,
 ) -> Result<Vec<i64>, tokio_postgres::Error> {
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let limit = limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX));
     let rows = client
         .query(
             "select id from withdrawal where chain = 'eth' and lane = $1 and state = $2 order by id limit $3",
@@ -406,24 +406,9 @@ pub async fn oldest_in_state<C: GenericClient>(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// Ids of the lane's withdrawals in one of `states`, oldest first.
-pub async fn in_states<C: GenericClient>(
-    client: &C,
-    lane: &str,
-    states: &[WithdrawalState],
-) -> Result<Vec<i64>, tokio_postgres::Error> {
-    let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-    let rows = client
-        .query(
-            "select id from withdrawal where chain = 'eth' and lane = $1 and state = any($2) order by id",
-            &[&lane, &states],
-        )
-        .await?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
-}
-
-/// [`in_states`] with each withdrawal's nonce as the projection holds it (`None` before one is
-/// allocated): which of them a nonce count concerns is known before any stream is read.
+/// The ids of the lane's withdrawals in one of `states`, oldest first, each with its nonce as the
+/// projection holds it (`None` before one is allocated): which of them a nonce count concerns is
+/// known before any stream is read.
 pub async fn nonces_in_states<C: GenericClient>(
     client: &C,
     lane: &str,

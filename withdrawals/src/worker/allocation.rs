@@ -229,13 +229,8 @@ impl Worker {
     ) -> Result<usize, WorkError> {
         let client = self.pool.get().await?;
         let batch = usize::try_from(self.config.batch_size).expect("BUG: negative batch").max(1);
-        let candidates = sql::oldest_in_state(
-            &client,
-            &lane.lane,
-            WithdrawalState::Requested,
-            batch.saturating_mul(MAX_BATCHES_PER_PASS),
-        )
-        .await?;
+        let pass = batch.saturating_mul(MAX_BATCHES_PER_PASS);
+        let candidates = sql::in_state(&client, &lane.lane, WithdrawalState::Requested, Some(pass)).await?;
         if candidates.is_empty() {
             self.set_shortage(lane, None).await?;
             return Ok(0);
@@ -480,7 +475,7 @@ impl Worker {
         let mut batch = SignedBatch::default();
         let mut unsigned = Vec::new();
         let mut tampered = Vec::new();
-        let mut nonce = next_nonce;
+        let mut nonce = Nonce::from_stored(next_nonce);
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(2).is_some()) {
             let fact = match verified_request(row, 2) {
                 Ok(fact) => fact,
@@ -497,7 +492,7 @@ impl Worker {
             batch.intent_data.push(input.to_vec());
             unsigned.push(TxEip1559 {
                 chain_id,
-                nonce: Nonce::from_stored(nonce).get(),
+                nonce: nonce.get(),
                 gas_limit: gas[&w.id],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
@@ -507,9 +502,9 @@ impl Worker {
                 ..Default::default()
             });
             batch.ids.push(w.id);
-            batch.nonces.push(nonce);
+            batch.nonces.push(nonce.stored());
             batch.seqs.push(w.last_seq + 1);
-            nonce += 1;
+            nonce = nonce.next();
         }
         if !tampered.is_empty() {
             // Sign nothing: someone changed what a withdrawal pays behind the event stream.
@@ -550,7 +545,7 @@ impl Worker {
                 &batch.payloads,
                 &max_fee,
                 &priority_fee,
-                &nonce,
+                &nonce.stored(),
                 &batch.intent_to,
                 &batch.intent_value,
                 &batch.intent_data,

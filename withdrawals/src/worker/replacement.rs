@@ -46,7 +46,7 @@ impl Worker {
         signer: &dyn Signer,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
-        let ids = sql::in_states(&self.pool.get().await?, &lane.lane, &[WithdrawalState::CancelRequested]).await?;
+        let ids = sql::in_state(&self.pool.get().await?, &lane.lane, WithdrawalState::CancelRequested, None).await?;
         for id in ids {
             match self.replace(lane, signer, id, Why::Cancel, None).await? {
                 Replaced::Signed => report.cancel_attempts += 1,

@@ -106,7 +106,7 @@ impl Worker {
         }
         let recorded = super::record_all(&self.pool, mined_now).await?;
         report.mined += recorded.iter().filter(|r| **r).count() as u64;
-        let mined_ids = sql::in_states(&client, &lane.lane, &[WithdrawalState::Mined]).await?;
+        let mined_ids = sql::in_state(&client, &lane.lane, WithdrawalState::Mined, None).await?;
         let mined: Vec<Withdrawal> = sql::load_many(&client, &mined_ids)
             .await?
             .into_iter()
