@@ -298,7 +298,8 @@ impl std::str::FromStr for WithdrawalState {
 
 /// Why a signed payload (an attempt) exists: the first signature of a withdrawal, a fee bump of
 /// its live attempt, or a cancel replacing it (DESIGN §7 items 5, 7, 13). On both chains.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AttemptKind {
     /// The first payload signed for the withdrawal (or its BTC batch).
     Original,

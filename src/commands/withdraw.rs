@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
-use custodian_domain::withdrawal::AttemptKind;
 use custodian_domain::{Amount, Chain};
 use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
@@ -18,8 +17,9 @@ use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
 use custodian_withdrawals::btc_key::BtcHotKey;
 use custodian_withdrawals::hot_wallet::{self, HotWalletError};
 use custodian_withdrawals::limits::{self, LimitChange, LimitError};
+use custodian_withdrawals::listing;
 use custodian_withdrawals::request::{self, Request, RequestError};
-use custodian_withdrawals::{sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+use custodian_withdrawals::{EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::json;
 
 use crate::exit::{invalid, Exit};
@@ -472,66 +472,23 @@ pub async fn list(
     after: Option<i64>,
     limit: i64,
 ) -> Result<Exit> {
-    if let Some(state) = state {
-        state.parse::<custodian_domain::withdrawal::WithdrawalState>().map_err(invalid)?;
-    }
+    let state = state.map(str::parse::<custodian_domain::withdrawal::WithdrawalState>).transpose().map_err(invalid)?;
     let pool = super::pool(settings).await?;
     let client = pool.get().await?;
-    let rows = client
-        .query(
-            "select id from withdrawal where ($1::bigint is null or id = $1) and ($2::text is null or state = $2)
-                and ($3::bigint is null or id > $3) order by id limit $4",
-            &[&id, &state, &after, &limit],
-        )
-        .await?;
-    let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) == limit;
-    let last = rows.last().map(|r| r.get::<_, i64>(0));
-    let mut out = Vec::new();
-    for row in rows {
-        let id: i64 = row.get(0);
-        let w = sql::load(&client, id).await?.expect("BUG: projection row without events");
-        if w.asset == "BTC" {
-            let attempts: Vec<_> = client
-                .query(
-                    "select a.tx_hash, a.kind, a.fee::text, a.vsize from btc_attempt a
-                       join btc_spend_payout p on p.spend_id = a.spend_id
-                      where p.withdrawal_id = $1 order by a.created_at, a.tx_hash",
-                    &[&id],
-                )
-                .await?
-                .iter()
-                .map(|a| {
-                    let kind = custodian_withdrawals::sql::stored_kind(a.get(1));
-                    json!({
-                        "tx_hash": a.get::<_, String>(0),
-                        "intent": if kind == AttemptKind::Cancel { "cancel" } else { "payout" },
-                        "kind": kind.as_str(),
-                        "fee_sat": a.get::<_, String>(2),
-                        "vsize": a.get::<_, i32>(3),
-                    })
-                })
-                .collect();
-            out.push(json!({ "withdrawal": w, "attempts": attempts }));
-            continue;
+    let (listed, more) = match id {
+        Some(id) => (listing::one(&client, id).await?.into_iter().collect(), false),
+        None => {
+            let filter = listing::Filter { account_id: None, state, after: after.unwrap_or(0), limit };
+            listing::page(&client, &filter).await?
         }
-        let attempts: Vec<_> = sql::attempts(&client, id)
-            .await?
-            .into_iter()
-            .map(|a| {
-                json!({
-                    "tx_hash": a.tx_hash,
-                    "kind": a.kind.as_str(),
-                    "intent": a.intent.as_str(),
-                    "max_fee_per_gas_wei": a.max_fee.to_string(),
-                })
-            })
-            .collect();
-        out.push(json!({ "withdrawal": w, "attempts": attempts }));
-    }
+    };
+    let last = listed.last().map(|l| l.withdrawal.id);
+    let out: Vec<serde_json::Value> =
+        listed.iter().map(|l| json!({ "withdrawal": l.withdrawal, "attempts": l.attempts })).collect();
     if id.is_some() && out.is_empty() {
         return Err(invalid(format!("no withdrawal {}", id.unwrap_or_default())));
     }
-    if let (true, Some(last)) = (full, last) {
+    if let (true, Some(last)) = (more, last) {
         eprintln!("{limit} withdrawals shown; the next page: --after {last}");
     }
     if settings.json {

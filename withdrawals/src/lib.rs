@@ -12,6 +12,7 @@ pub mod btc_key;
 pub mod coalesce;
 pub mod hot_wallet;
 pub mod limits;
+pub mod listing;
 pub mod payout;
 pub mod request;
 pub mod rpc;

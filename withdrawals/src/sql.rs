@@ -256,7 +256,8 @@ pub async fn post(
 }
 
 /// What an attempt was signed to do (DESIGN §7 item 11).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Intent {
     /// Pays what the requested event asks for.
     Payout,
@@ -320,6 +321,15 @@ pub async fn attempts<C: GenericClient>(client: &C, id: i64) -> Result<Vec<Attem
     Ok(rows.iter().map(|r| attempt_from_row(r, 0)).collect())
 }
 
+/// An attempt's intent as stored (a check constraint allows only the two names).
+pub fn stored_intent(intent: &str) -> Intent {
+    match intent {
+        "payout" => Intent::Payout,
+        "cancel" => Intent::Cancel,
+        other => panic!("BUG: the database holds an unknown intent {other:?}"),
+    }
+}
+
 /// An attempt's kind as stored (a check constraint allows only the three names).
 pub fn stored_kind(kind: &str) -> AttemptKind {
     kind.parse().expect("BUG: the database holds an unknown attempt kind")
@@ -330,7 +340,7 @@ fn attempt_from_row(r: &tokio_postgres::Row, at: usize) -> Attempt {
     Attempt {
         tx_hash: r.get(at),
         kind: stored_kind(r.get(at + 1)),
-        intent: if r.get::<_, &str>(at + 2) == "cancel" { Intent::Cancel } else { Intent::Payout },
+        intent: stored_intent(r.get(at + 2)),
         raw: r.get(at + 3),
         max_fee: r.get(at + 4),
     }

@@ -1,60 +1,20 @@
 //! `Withdrawals`: request (idempotent per account and external id), read, cancel and approve.
-//! Requests go through `custodian_withdrawals::request` exactly as the CLI's do; reads come from
-//! the `withdrawal` projection, which is written in the same transaction as every event.
+//! Requests go through `custodian_withdrawals::request` exactly as the CLI's do; reads go through
+//! `custodian_withdrawals::listing`, as the CLI's do.
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::SystemTime;
 
-use alloy_primitives::U256;
-use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, Chain, Nonce};
+use custodian_domain::{Chain, Nonce};
 use custodian_withdrawals::actions;
+use custodian_withdrawals::listing::{self, Listed};
 use custodian_withdrawals::request::{self, Request as WithdrawalRequest};
 use deadpool_postgres::GenericClient;
-use tokio_postgres::Row;
 use tonic::{Request, Response, Status};
 
 use crate::pb::{self, request_withdrawal_request::Amount as WireAmount};
 use crate::services::accounts::account_by_id;
 use crate::tokens::Scope;
 use crate::{status, time, wire, State};
-
-const WITHDRAWAL_BY_ID: &str = "
-select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.destination, w.amount, w.state,
-       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at,
-       w.stuck_at_cap
-  from withdrawal w
-  join asset a on a.asset = w.asset
- where w.id = $1";
-
-const WITHDRAWAL_PAGE: &str = "
-select w.id, w.account_id, w.external_id, w.asset, a.symbol, a.decimals, w.destination, w.amount, w.state,
-       w.lane, w.from_address, w.nonce, w.tx_hash, w.mined_block_hash, w.requested_at, w.updated_at,
-       w.stuck_at_cap
-  from withdrawal w
-  join asset a on a.asset = w.asset
- where ($1::bigint is null or w.account_id = $1)
-   and ($2::text is null or w.state = $2)
-   and w.id > $3
- order by w.id
- limit $4";
-
-/// Every signed payload of some withdrawals, oldest first per withdrawal. Each id is looked up on
-/// its own (`lateral … offset 0`), so the plan is index probes whatever the statistics said when it
-/// was made: a generic plan made while the tables were small scans them whole for `= any($1)`.
-const ATTEMPTS: &str = "
-select a.withdrawal_id, a.tx_hash, a.kind, a.max_fee::text, a.intent, null::text as fee_sat, a.created_at
-  from unnest($1::bigint[]) as k (id)
- cross join lateral (select * from withdrawal_attempt a where a.withdrawal_id = k.id offset 0) a
-union all
-select b.withdrawal_id, b.tx_hash, b.kind, null, case b.kind when 'cancel' then 'cancel' else 'payout' end,
-       b.fee::text, b.created_at
-  from unnest($1::bigint[]) as k (id)
- cross join lateral (select p.withdrawal_id, a.tx_hash, a.kind, a.fee, a.created_at
-                       from btc_spend_payout p join btc_attempt a on a.spend_id = p.spend_id
-                      where p.withdrawal_id = k.id offset 0) b
- order by 1, 7, 2";
 
 /// The `Withdrawals` service.
 #[derive(Debug)]
@@ -68,76 +28,47 @@ impl WithdrawalsService {
     }
 }
 
-/// A projection row as a message, without its attempts.
-fn withdrawal(row: &Row) -> pb::Withdrawal {
-    let decimals = u8::try_from(row.get::<_, i16>(5)).expect("BUG: decimals outside 0..=77");
-    let amount = Amount::from_units(row.get::<_, U256>(7));
-    let state: WithdrawalState = row.get::<_, &str>(8).parse().expect("BUG: withdrawal.state is checked by the table");
+/// A listed withdrawal as a message.
+fn withdrawal(listed: Listed) -> pb::Withdrawal {
+    let Listed { withdrawal: w, symbol, decimals, requested_at, updated_at, attempts } = listed;
     pb::Withdrawal {
-        id: row.get(0),
-        account_id: row.get(1),
-        external_id: row.get(2),
-        asset: row.get(3),
-        symbol: row.get(4),
-        destination: wire::display_address(Chain::Eth, row.get(6)),
-        amount: amount.to_string(),
-        amount_display: amount.to_decimal_string(decimals),
-        state: wire::state_to_pb(state),
-        lane: row.get::<_, Option<String>>(9).unwrap_or_default(),
-        from_address: row.get::<_, Option<&str>>(10).map(|a| wire::display_address(Chain::Eth, a)),
-        nonce: row.get::<_, Option<i64>>(11).map(|n| Nonce::from_stored(n).get()),
-        tx_hash: row.get(12),
-        mined_block_hash: row.get(13),
-        attempts: Vec::new(),
-        requested_at: time::format(row.get::<_, SystemTime>(14)),
-        updated_at: time::format(row.get::<_, SystemTime>(15)),
-        stuck_at_cap: row.get(16),
+        id: w.id,
+        account_id: Some(w.account_id),
+        external_id: w.external_id,
+        asset: w.asset,
+        symbol,
+        destination: wire::display_address(Chain::Eth, &w.destination),
+        amount: w.amount.to_string(),
+        amount_display: w.amount.to_decimal_string(decimals),
+        state: wire::state_to_pb(w.state),
+        lane: w.lane,
+        from_address: w.from_address.as_deref().map(|a| wire::display_address(Chain::Eth, a)),
+        nonce: w.nonce.map(Nonce::get),
+        tx_hash: w.tx_hash,
+        mined_block_hash: w.mined_block_hash,
+        attempts: attempts
+            .into_iter()
+            .map(|a| pb::Attempt {
+                tx_hash: a.tx_hash,
+                kind: a.kind.as_str().to_owned(),
+                max_fee_per_gas_wei: a.max_fee_per_gas_wei.map(|f| f.to_string()).unwrap_or_default(),
+                intent: a.intent.as_str().to_owned(),
+                fee_sat: a.fee_sat.map(|f| f.to_string()).unwrap_or_default(),
+            })
+            .collect(),
+        requested_at: time::format(requested_at),
+        updated_at: time::format(updated_at),
+        stuck_at_cap: w.stuck_at_cap,
     }
 }
 
-/// Fills in the attempts of `withdrawals`.
-async fn with_attempts<C: GenericClient>(client: &C, withdrawals: &mut [pb::Withdrawal]) -> Result<(), Status> {
-    let ids: Vec<i64> = withdrawals.iter().map(|w| w.id).collect();
-    let rows = client.query(ATTEMPTS, &[&ids]).await.map_err(|e| status::database("reading attempts", &e))?;
-    attach(rows, withdrawals);
-    Ok(())
-}
-
-/// Hands [`ATTEMPTS`]'s rows to their withdrawals.
-fn attach(rows: Vec<Row>, withdrawals: &mut [pb::Withdrawal]) {
-    let mut by_id: HashMap<i64, Vec<pb::Attempt>> = HashMap::new();
-    for row in rows {
-        by_id.entry(row.get(0)).or_default().push(pb::Attempt {
-            tx_hash: row.get(1),
-            kind: row.get(2),
-            max_fee_per_gas_wei: row.get::<_, Option<String>>(3).unwrap_or_default(),
-            intent: row.get(4),
-            fee_sat: row.get::<_, Option<String>>(5).unwrap_or_default(),
-        });
-    }
-    for w in withdrawals {
-        w.attempts = by_id.remove(&w.id).unwrap_or_default();
-    }
-}
-
-/// The withdrawal `id` with its attempts, or `NOT_FOUND`: both reads in one round trip.
+/// The withdrawal `id` with its attempts, or `NOT_FOUND`.
 async fn load<C: GenericClient>(client: &C, id: i64) -> Result<pb::Withdrawal, Status> {
-    let read = async {
-        let (by_id, attempts) =
-            futures::try_join!(client.prepare_cached(WITHDRAWAL_BY_ID), client.prepare_cached(ATTEMPTS))?;
-        let ids = vec![id];
-        let (one, many): (
-            [&(dyn tokio_postgres::types::ToSql + Sync); 1],
-            [&(dyn tokio_postgres::types::ToSql + Sync); 1],
-        ) = ([&id], [&ids]);
-        futures::try_join!(client.query_opt(&by_id, &one), client.query(&attempts, &many))
-    };
-    let (row, attempts) = read.await.map_err(|e| status::database("reading the withdrawal", &e))?;
-    let row = row.ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?;
-    let mut found = [withdrawal(&row)];
-    attach(attempts, &mut found);
-    let [w] = found;
-    Ok(w)
+    listing::one(client, id)
+        .await
+        .map_err(|e| status::database("reading the withdrawal", &e))?
+        .map(withdrawal)
+        .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))
 }
 
 /// The amount text and the decimals to read it with: whole units with the asset's decimals, or
@@ -237,18 +168,16 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
     ) -> Result<Response<pb::ListWithdrawalsResponse>, Status> {
         self.state.auth.authorize(&request, Scope::Read, "ListWithdrawals").await?;
         let message = request.get_ref();
-        let state = wire::state_filter(message.state)?.map(WithdrawalState::as_str);
-        let after = wire::page_after(&message.page_token)?;
-        let size = wire::page_size(message.page_size);
+        let filter = listing::Filter {
+            account_id: message.account_id,
+            state: wire::state_filter(message.state)?,
+            after: wire::page_after(&message.page_token)?,
+            limit: wire::page_size(message.page_size),
+        };
         let client = self.state.client().await?;
-        let rows = client
-            .query(WITHDRAWAL_PAGE, &[&message.account_id, &state, &after, &(size + 1)])
-            .await
-            .map_err(|e| status::database("listing withdrawals", &e))?;
-        let size = usize::try_from(size).expect("BUG: page size is positive");
-        let more = rows.len() > size;
-        let mut withdrawals: Vec<pb::Withdrawal> = rows.iter().take(size).map(withdrawal).collect();
-        with_attempts(&client, &mut withdrawals).await?;
+        let (page, more) =
+            listing::page(&client, &filter).await.map_err(|e| status::database("listing withdrawals", &e))?;
+        let withdrawals: Vec<pb::Withdrawal> = page.into_iter().map(withdrawal).collect();
         let next_page_token = wire::next_page_token(more, withdrawals.last().map(|w| w.id));
         Ok(Response::new(pb::ListWithdrawalsResponse { withdrawals, next_page_token }))
     }

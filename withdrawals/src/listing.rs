@@ -1,0 +1,185 @@
+//! Withdrawals as people and clients read them: one, or a page, each with every transaction
+//! signed for it (ETH's payloads, or the BTC transactions of its spend). The CLI and the API both
+//! read through here; neither has its own copy of these queries.
+//!
+//! A withdrawal is its event stream folded ([`Withdrawal::fold`]), the same fold the projection
+//! is written from; the projection row adds only what the stream does not say (the asset's symbol
+//! and decimals, when it was requested and last changed). Whatever is read, it is one round trip
+//! once the ids are known.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use alloy_primitives::U256;
+use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
+use deadpool_postgres::GenericClient;
+use serde::Serialize;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+use crate::sql::{self, Intent};
+
+/// The projection columns a listing shows beside the fold, for some ids.
+const ROWS: &str = "
+select w.id, a.symbol, a.decimals, w.requested_at, w.updated_at
+  from unnest($1::bigint[]) as k (id)
+ cross join lateral (select * from withdrawal w where w.id = k.id offset 0) w
+  join asset a on a.chain = w.chain and a.asset = w.asset";
+
+/// The event streams of some ids, in order.
+const EVENTS: &str = "
+select e.withdrawal_id, e.event_type, e.payload
+  from unnest($1::bigint[]) as k (id)
+ cross join lateral (select * from withdrawal_event e where e.withdrawal_id = k.id offset 0) e
+ order by e.withdrawal_id, e.seq";
+
+/// The ids of a page: $1 account (null: all), $2 state (null: all), $3 after this id, $4 at most.
+const PAGE: &str = "
+select id from withdrawal
+ where ($1::bigint is null or account_id = $1) and ($2::text is null or state = $2) and id > $3
+ order by id
+ limit $4";
+
+/// Every signed payload of some withdrawals, oldest first per withdrawal. Each id is looked up on
+/// its own (`lateral … offset 0`), so the plan is index probes whatever the statistics said when it
+/// was made: a generic plan made while the tables were small scans them whole for `= any($1)`.
+const ATTEMPTS: &str = "
+select a.withdrawal_id, a.tx_hash, a.kind, a.intent, a.max_fee, null::numeric as fee, null::int as vsize, a.created_at
+  from unnest($1::bigint[]) as k (id)
+ cross join lateral (select * from withdrawal_attempt a where a.withdrawal_id = k.id offset 0) a
+union all
+select b.withdrawal_id, b.tx_hash, b.kind, case b.kind when 'cancel' then 'cancel' else 'payout' end, null,
+       b.fee, b.vsize, b.created_at
+  from unnest($1::bigint[]) as k (id)
+ cross join lateral (select p.withdrawal_id, a.tx_hash, a.kind, a.fee, a.vsize, a.created_at
+                       from btc_spend_payout p join btc_attempt a on a.spend_id = p.spend_id
+                      where p.withdrawal_id = k.id offset 0) b
+ order by 1, 8, 2";
+
+/// Which withdrawals a page holds.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// One account's only.
+    pub account_id: Option<i64>,
+    /// In this state only.
+    pub state: Option<WithdrawalState>,
+    /// Ids greater than this (0: from the first).
+    pub after: i64,
+    /// At most this many.
+    pub limit: i64,
+}
+
+/// One transaction signed for a withdrawal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ListedAttempt {
+    /// Its hash (ETH) or txid (BTC).
+    pub tx_hash: String,
+    /// How it came to be signed.
+    pub kind: AttemptKind,
+    /// What it was signed to do.
+    pub intent: Intent,
+    /// ETH: the max fee per gas it offers, wei.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "decimal_text")]
+    pub max_fee_per_gas_wei: Option<U256>,
+    /// BTC: the fee it pays, satoshis (shared with the batch's other payouts).
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "decimal_text")]
+    pub fee_sat: Option<U256>,
+    /// BTC: its virtual size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vsize: Option<i32>,
+}
+
+fn decimal_text<S: serde::Serializer>(value: &Option<U256>, s: S) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(v) => s.serialize_str(&v.to_string()),
+        None => s.serialize_none(),
+    }
+}
+
+/// A withdrawal as listed.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    /// Its event stream, folded.
+    pub withdrawal: Withdrawal,
+    /// The asset's symbol.
+    pub symbol: String,
+    /// The asset's decimals.
+    pub decimals: u8,
+    /// When it was requested.
+    pub requested_at: SystemTime,
+    /// When it last changed.
+    pub updated_at: SystemTime,
+    /// Every transaction signed for it, oldest first.
+    pub attempts: Vec<ListedAttempt>,
+}
+
+/// The withdrawal `id`, or `None`.
+pub async fn one<C: GenericClient>(client: &C, id: i64) -> Result<Option<Listed>, tokio_postgres::Error> {
+    Ok(these(client, &[id]).await?.pop())
+}
+
+/// The page `filter` asks for, oldest first, and whether another page follows.
+pub async fn page<C: GenericClient>(client: &C, filter: &Filter) -> Result<(Vec<Listed>, bool), tokio_postgres::Error> {
+    let state = filter.state.map(WithdrawalState::as_str);
+    let limit = filter.limit.max(0);
+    let rows = client.query(PAGE, &[&filter.account_id, &state, &filter.after, &(limit + 1)]).await?;
+    let more = i64::try_from(rows.len()).unwrap_or(i64::MAX) > limit;
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).take(usize::try_from(limit).unwrap_or(usize::MAX)).collect();
+    Ok((these(client, &ids).await?, more))
+}
+
+/// `ids` that exist, in the order given: the three reads in one round trip.
+async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>, tokio_postgres::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids = ids.to_vec();
+    let (rows, events, attempts) = futures::try_join!(
+        client.prepare_cached(ROWS),
+        client.prepare_cached(EVENTS),
+        client.prepare_cached(ATTEMPTS)
+    )?;
+    let params: [&(dyn ToSql + Sync); 1] = [&ids];
+    let (rows, events, attempts) = futures::try_join!(
+        client.query(&rows, &params),
+        client.query(&events, &params),
+        client.query(&attempts, &params)
+    )?;
+    let mut streams: HashMap<i64, Vec<WithdrawalEvent>> = HashMap::new();
+    for r in &events {
+        streams.entry(r.get(0)).or_default().push(sql::event_from_row(r.get(1), &r.get(2)));
+    }
+    let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
+    for r in &attempts {
+        signed.entry(r.get(0)).or_default().push(attempt(r));
+    }
+    let mut columns: HashMap<i64, &Row> = rows.iter().map(|r| (r.get(0), r)).collect();
+    Ok(ids
+        .iter()
+        .filter_map(|id| {
+            let row = columns.remove(id)?;
+            let withdrawal =
+                Withdrawal::fold(*id, streams.get(id)?).expect("BUG: a projection row whose stream does not fold");
+            Some(Listed {
+                withdrawal,
+                symbol: row.get(1),
+                decimals: u8::try_from(row.get::<_, i16>(2)).expect("BUG: decimals outside 0..=77"),
+                requested_at: row.get(3),
+                updated_at: row.get(4),
+                attempts: signed.remove(id).unwrap_or_default(),
+            })
+        })
+        .collect())
+}
+
+/// An [`ATTEMPTS`] row.
+fn attempt(r: &Row) -> ListedAttempt {
+    ListedAttempt {
+        tx_hash: r.get(1),
+        kind: sql::stored_kind(r.get(2)),
+        intent: sql::stored_intent(r.get(3)),
+        max_fee_per_gas_wei: r.get(4),
+        fee_sat: r.get(5),
+        vsize: r.get(6),
+    }
+}
