@@ -210,14 +210,7 @@ pub fn readable_by_others(path: &Path) -> std::io::Result<Option<u32>> {
 }
 
 /// A lane's key: a file readable by its owner only, or the hex key itself.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HotKey {
-    /// Key file.
-    pub key_file: Option<PathBuf>,
-    /// The key (prefer a file or `CUSTODIAN_HOT_KEY_<LANE>`).
-    pub key: Option<SecretString>,
-}
+pub type HotKey = custodian_service::keys::ConfiguredKey;
 
 impl FileConfig {
     /// Reads and parses `path`; a missing or malformed file is a usage error.

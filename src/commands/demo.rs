@@ -600,10 +600,10 @@ mod story {
         // The chain is read at our tip: scan to the node's tip first, so what the worker settled
         // is in the blocks read.
         scan_and_post(&pool, reader.clone()).await?;
-        let reconciled =
-            crate::commands::reconcile::run(Some(&anvil.url), std::time::Duration::from_secs(10), &pool).await?;
+        let node = EthNode::with_timeout(&anvil.url, std::time::Duration::from_secs(10))?;
+        let reconciled = custodian_service::reconcile::once(Some(&node), &pool).await?;
         if reconciled.differences.is_empty() {
-            let checked = serde_json::to_value(&reconciled)?["assets"].as_array().map_or(0, Vec::len);
+            let checked = reconciled.assets.len();
             say(format!(
                 "  reconcile: {checked} assets; custody equals what the chain says our addresses hold, and covers what customers are owed"
             ));

@@ -9,7 +9,7 @@ use custodian_domain::Chain;
 use custodian_ingest::btc::BtcReader;
 use custodian_ingest::eth::EthReader;
 use custodian_ingest::sql::{self, RewindError};
-use custodian_ingest::{AfterStep, ChainReader, Progress, ScanConfig, ScanReport, Scanner};
+use custodian_ingest::{ChainReader, Progress, ScanConfig, ScanReport, Scanner};
 use serde_json::json;
 
 use crate::exit::{invalid, Exit};
@@ -70,31 +70,6 @@ impl Progress for ScanProgress {
     }
 }
 
-/// Posts confirmed deposits after every scan step; a failure is logged and retried next step.
-pub struct PostAfterStep(pub custodian_store::Pool);
-
-impl AfterStep for PostAfterStep {
-    fn after_step(&self, chain: Chain) -> futures::future::BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let outcome = match self.0.get().await {
-                Ok(client) => {
-                    match custodian_projections::posting::post_chain(&client, chain).await {
-                        // What the step and the pass appended is sealed into the history's hash chain.
-                        Ok(_) => {
-                            custodian_projections::seals::seal(&client).await.map(|_| ()).map_err(|e| e.to_string())
-                        }
-                        Err(e) => Err(e.to_string()),
-                    }
-                }
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(e) = outcome {
-                tracing::warn!(%chain, "posting confirmed deposits or sealing failed; retried after the next step: {e}");
-            }
-        })
-    }
-}
-
 fn config(settings: &Settings, from_height: Option<u64>) -> ScanConfig {
     ScanConfig {
         retention_blocks: settings.retention_blocks,
@@ -137,7 +112,8 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
             let reader = eth_reader(settings).await?;
             run(
                 settings,
-                Scanner::new(reader, pool.clone(), config).with_after_step(std::sync::Arc::new(PostAfterStep(pool))),
+                Scanner::new(reader, pool.clone(), config)
+                    .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool))),
                 once,
             )
             .await
@@ -151,7 +127,8 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
                 .map_err(|e| invalid(e.to_string()))?;
             run(
                 settings,
-                Scanner::new(reader, pool.clone(), config).with_after_step(std::sync::Arc::new(PostAfterStep(pool))),
+                Scanner::new(reader, pool.clone(), config)
+                    .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool))),
                 once,
             )
             .await

@@ -8,13 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
 use custodian_domain::{Amount, Chain};
+use custodian_service::{keys, Service};
 use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
 use custodian_withdrawals::actions::{self, ActionError};
 use custodian_withdrawals::btc::node::BtcNode;
 use custodian_withdrawals::btc::tx::FeeRate;
 use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
-use custodian_withdrawals::btc_key::BtcHotKey;
 use custodian_withdrawals::hot_wallet::{self, HotWalletError};
 use custodian_withdrawals::limits::{self, LimitChange, LimitError};
 use custodian_withdrawals::listing;
@@ -514,10 +514,6 @@ pub async fn list(
     Ok(Exit::Success)
 }
 
-fn env_key(lane: &str) -> String {
-    lane.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect()
-}
-
 /// The worker's configuration: flags, then `[withdrawals]` in the file, then defaults.
 pub fn worker_config(settings: &Settings, args: &crate::cli::WorkerArgs) -> WorkerConfig {
     let file = &settings.file.withdrawals;
@@ -534,65 +530,30 @@ pub fn worker_config(settings: &Settings, args: &crate::cli::WorkerArgs) -> Work
     }
 }
 
-/// A worker with keys signs for one configured chain only.
-pub fn require_chain_id(settings: &Settings, signers: &HashMap<String, Arc<dyn Signer>>) -> Result<()> {
-    if !signers.is_empty() && settings.eth_chain_id.is_none() {
-        return Err(invalid(
-            "hot-wallet keys are configured, so the chain they sign for must be too: set [eth] chain_id \
-             (or --eth-chain-id / CUSTODIAN_ETH_CHAIN_ID); a node answering another id is then refused",
-        ));
-    }
-    Ok(())
+/// Where this process finds hot keys ([`keys`] says in which order): the command line's
+/// `--key-file`, the environment, the configuration file.
+pub fn key_sources<'a>(settings: &'a Settings, key_files: &[String]) -> Result<keys::Sources<'a>> {
+    Ok(keys::Sources {
+        files: keys::key_file_args(key_files).map_err(refused)?,
+        configured: &settings.file.hot_keys,
+        btc_files: &settings.file.btc.hot_key_files,
+        env_key: &crate::secrets::hot_key,
+    })
 }
 
-/// Keys per lane from `--key-file LANE=PATH`, `CUSTODIAN_HOT_KEY_FILE_<LANE>`,
-/// `CUSTODIAN_HOT_KEY_<LANE>`, or `[hot_keys.<lane>]` in the configuration file, in that order.
+fn refused(e: keys::KeyError) -> anyhow::Error {
+    invalid(e.to_string())
+}
+
+/// The signers of the ETH lanes whose keys this process has, checked ([`keys::check_eth_signers`]).
 pub fn signers(
     settings: &Settings,
     lanes: &[hot_wallet::Lane],
     key_files: &[String],
+    required: bool,
 ) -> Result<HashMap<String, Arc<dyn Signer>>> {
-    let mut files: HashMap<String, String> = HashMap::new();
-    for spec in key_files {
-        let (lane, path) =
-            spec.split_once('=').ok_or_else(|| invalid(format!("--key-file {spec:?}: expected LANE=PATH")))?;
-        files.insert(lane.to_owned(), path.to_owned());
-    }
-    let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
-    for lane in lanes {
-        let name = env_key(&lane.lane);
-        let file =
-            files.get(&lane.lane).cloned().or_else(|| std::env::var(format!("CUSTODIAN_HOT_KEY_FILE_{name}")).ok());
-        let signer = match file {
-            Some(path) => {
-                LocalSigner::from_file(Path::new(&path)).map_err(|e| invalid(format!("lane {}: {e}", lane.lane)))?
-            }
-            None => match crate::secrets::hot_key(&name) {
-                Some(key) => {
-                    LocalSigner::from_hex(&key).map_err(|e| invalid(format!("CUSTODIAN_HOT_KEY_{name}: {e}")))?
-                }
-                None if settings.file.hot_keys.contains_key(&lane.lane) => {
-                    let configured = &settings.file.hot_keys[&lane.lane];
-                    match (&configured.key_file, &configured.key) {
-                        (Some(path), _) => {
-                            LocalSigner::from_file(path).map_err(|e| invalid(format!("lane {}: {e}", lane.lane)))?
-                        }
-                        (None, Some(key)) => {
-                            use secrecy::ExposeSecret;
-                            LocalSigner::from_hex(key.expose_secret())
-                                .map_err(|e| invalid(format!("[hot_keys.{}]: {e}", lane.lane)))?
-                        }
-                        (None, None) => return Err(invalid(format!("[hot_keys.{}] needs key_file or key", lane.lane))),
-                    }
-                }
-                None => {
-                    tracing::warn!(lane = %lane.lane, "no key for this lane; its withdrawals wait for a worker that has one");
-                    continue;
-                }
-            },
-        };
-        signers.insert(lane.lane.clone(), Arc::new(signer));
-    }
+    let signers = keys::eth_signers(&key_sources(settings, key_files)?, lanes).map_err(refused)?;
+    keys::check_eth_signers(&signers, lanes, settings.eth_chain_id, required).map_err(refused)?;
     Ok(signers)
 }
 
@@ -601,17 +562,7 @@ pub fn signers(
 pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Result<Option<BtcWorker>> {
     let lanes = hot_wallet::lanes_on(&pool.get().await?, "btc").await?;
     let file = &settings.file.btc;
-    let mut keys = HashMap::new();
-    for lane in &lanes {
-        let path = std::env::var(format!("CUSTODIAN_BTC_HOT_KEY_FILE_{}", env_key(&lane.lane)))
-            .ok()
-            .map(std::path::PathBuf::from)
-            .or_else(|| file.hot_key_files.get(&lane.lane).cloned());
-        let Some(path) = path else { continue };
-        let key = BtcHotKey::from_file(&path, settings.btc_network)
-            .map_err(|e| invalid(format!("BTC lane {}: {e}", lane.lane)))?;
-        keys.insert(lane.lane.clone(), Arc::new(key));
-    }
+    let keys = keys::btc_keys(&key_sources(settings, &[])?, &lanes, settings.btc_network).map_err(refused)?;
     if keys.is_empty() {
         return Ok(None);
     }
@@ -643,36 +594,36 @@ pub async fn work(
 ) -> Result<Exit> {
     let pool = super::pool(settings).await?;
     let btc = btc_worker(settings, &pool).await?;
-    if settings.eth_rpc.is_none() {
-        if let Some(btc) = btc {
-            return work_btc(settings, once, btc, interval).await;
-        }
-    }
-    let node = node(settings)?;
-    let lanes = hot_wallet::lanes(&pool.get().await?).await?;
-    let signers = signers(settings, &lanes, key_files)?;
-    if signers.is_empty() && !lanes.is_empty() {
-        return Err(invalid(
-            "no hot-wallet key for any lane: pass --key-file LANE=PATH or set CUSTODIAN_HOT_KEY_<LANE>",
-        ));
-    }
-    require_chain_id(settings, &signers)?;
-    let worker = Worker::new(pool, node, signers, config);
+    // Without an Ethereum node, a worker with BTC keys works BTC lanes only.
+    let eth = if settings.eth_rpc.is_none() && btc.is_some() {
+        None
+    } else {
+        let node = node(settings)?;
+        let lanes = hot_wallet::lanes(&pool.get().await?).await?;
+        let signers = signers(settings, &lanes, key_files, true)?;
+        Some(Worker::new(pool.clone(), node, signers, config))
+    };
     if once {
-        let report = worker.pass().await.context("running a withdrawal pass")?;
+        let eth_report = match &eth {
+            Some(worker) => Some(worker.pass().await.context("running a withdrawal pass")?),
+            None => None,
+        };
         let btc_report = match &btc {
             Some(btc) => Some(btc.pass().await.context("running a BTC withdrawal pass")?),
             None => None,
         };
         if settings.json {
-            match btc_report {
-                Some(btc_report) => super::print_json(&json!({ "eth": report, "btc": btc_report }))?,
-                None => super::print_json(&report)?,
+            match (eth_report, btc_report) {
+                (Some(eth), None) => super::print_json(&eth)?,
+                (Some(eth), Some(btc)) => super::print_json(&json!({ "eth": eth, "btc": btc }))?,
+                // Without an ETH worker there is a BTC one.
+                (None, btc) => super::print_json(&json!({ "btc": btc }))?,
             }
         } else {
-            println!("{}", pass_summary("eth", &report));
-            if let Some(btc_report) = btc_report {
-                println!("{}", pass_summary("btc", &btc_report));
+            for (chain, report) in [("eth", eth_report), ("btc", btc_report)] {
+                if let Some(report) = report {
+                    println!("{}", pass_summary(chain, &report));
+                }
             }
         }
         return Ok(Exit::Success);
@@ -683,15 +634,14 @@ pub async fn work(
         super::shutdown_signal().await;
         let _ = stop.send(true);
     });
-    let btc_run = async {
-        match &btc {
-            Some(btc) => btc.run(interval, stopped.clone()).await,
-            None => Ok(()),
-        }
-    };
-    let (eth, btc_done) = tokio::join!(worker.run(interval, stopped.clone()), btc_run);
-    eth.context("the withdrawal worker stopped")?;
-    btc_done.context("the BTC withdrawal worker stopped")?;
+    let mut service = Service::new(pool, stopped);
+    if let Some(eth) = eth {
+        service.eth_worker(eth, interval);
+    }
+    if let Some(btc) = btc {
+        service.btc_worker(btc, interval);
+    }
+    service.run().await?;
     Ok(Exit::Success)
 }
 
@@ -726,24 +676,4 @@ fn pass_summary(chain: &str, r: &custodian_withdrawals::PassReport) -> String {
         }
     }
     out
-}
-
-/// `work` with BTC lanes only (no Ethereum node configured).
-async fn work_btc(settings: &Settings, once: bool, btc: BtcWorker, interval: Duration) -> Result<Exit> {
-    if once {
-        let report = btc.pass().await.context("running a BTC withdrawal pass")?;
-        if settings.json {
-            super::print_json(&json!({ "btc": report }))?;
-        } else {
-            println!("{}", pass_summary("btc", &report));
-        }
-        return Ok(Exit::Success);
-    }
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        super::shutdown_signal().await;
-        let _ = stop.send(true);
-    });
-    btc.run(interval, stopped).await.context("the BTC withdrawal worker stopped")?;
-    Ok(Exit::Success)
 }

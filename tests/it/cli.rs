@@ -231,7 +231,7 @@ fn every_variable_the_documentation_promises_exists() {
         ("CUSTODIAN_LOG", include_str!("../../src/main.rs")),
         ("CUSTODIAN_HOT_KEY_", include_str!("../../src/secrets.rs")),
         ("CUSTODIAN_HOT_KEY_FILE_", include_str!("../../src/secrets.rs")),
-        ("CUSTODIAN_BTC_HOT_KEY_FILE_", include_str!("../../src/commands/withdraw.rs")),
+        ("CUSTODIAN_BTC_HOT_KEY_FILE_", include_str!("../../service/src/keys.rs")),
         ("CUSTODIAN_CRASH_SEED", include_str!("crash.rs")),
     ];
     let documents = [include_str!("../../custodian.example.toml"), include_str!("../../README.md")];

@@ -15,7 +15,7 @@ fn root() -> PathBuf {
 fn sources() -> Vec<PathBuf> {
     let mut found = Vec::new();
     let mut stack: Vec<PathBuf> =
-        ["src", "domain/src", "store/src", "ingest/src", "projections/src", "withdrawals/src", "api/src"]
+        ["src", "domain/src", "store/src", "ingest/src", "projections/src", "withdrawals/src", "api/src", "service/src"]
             .iter()
             .map(|d| root().join(d))
             .collect();
