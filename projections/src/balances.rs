@@ -72,8 +72,8 @@ pub fn signed_display(units: &str, decimals: u8) -> String {
 
 const BALANCES: &str = "
 with ledger as (
-    select p.asset, sum(case p.direction when 'credit' then p.amount else -p.amount end) as net
-      from ledger_posting p where p.ledger_account = 'user:' || $1::bigint group by p.asset
+    -- every asset the account has a balance row for, with what it may spend of it
+    select b.asset, available($1, b.asset) as net from user_balance b where b.ledger_account = 'user:' || $1::bigint
 ), held as (
     select w.asset, sum(w.amount) as held from withdrawal w
      where w.account_id = $1 and w.state in ('requested', 'awaiting_approval', 'signed', 'broadcast', 'mined',

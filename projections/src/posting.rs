@@ -17,7 +17,9 @@
 //! another account (the same transaction re-mined across an ownership change, say) is returned as
 //! a mismatch, logged as an alert and counted, never credited twice.
 
-use custodian_domain::Chain;
+use alloy_primitives::U256;
+use custodian_domain::{Amount, Chain, LedgerAccount};
+use custodian_store::ledger::{self, Direction, Posting, Transfer};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -62,9 +64,10 @@ select r.id, 'closed', 'custodian',
  where r.chain = $1 and not exists (select 1 from reversal_decision x where x.proposal_id = r.id)
 on conflict (proposal_id) do nothing";
 
-/// Confirmed, attributed keys the ledger holds less for than the chain: credited the difference,
-/// first to `treasury` up to what it absorbed for the key, the rest to the owner.
-const CREDIT_CONFIRMED: &str = "
+/// Confirmed, attributed keys the ledger holds less for than the chain, with what is owed for
+/// each: first to `treasury` up to what it absorbed for the key, the rest to the owner
+/// ([`credit`] makes the transfer).
+const DUE: &str = "
 with chain_side as (
     select distinct on (s.deposit_key)
            s.deposit_key, s.chain, s.tx_hash, s.kind, s.output_index, s.block_hash, s.height, s.address,
@@ -72,32 +75,43 @@ with chain_side as (
       from deposit_status s
      where s.chain = $1 and s.confirmed and s.account_id is not null and s.custody_posted < s.amount
      order by s.deposit_key, s.height
-), due as (
-    select c.*, c.amount - c.custody_posted as owed,
-           least(greatest(-c.treasury_posted, 0), c.amount - c.custody_posted) as to_treasury
-      from chain_side c
-), transfers as (
-    insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
-    select d.deposit_key || ':credit:' || (d.credits + 1), 'deposit', d.deposit_key,
-           jsonb_build_object('chain', d.chain, 'tx_hash', d.tx_hash, 'kind', d.kind, 'output_index', d.output_index,
-                              'block_hash', d.block_hash, 'height', d.height, 'address', d.address,
-                              'account_id', d.account_id, 'credit', d.credits + 1)
-      from due d
-    on conflict (idempotency_key) do nothing
-    returning id, deposit_key
-), postings as (
-    insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-    select t.id, side.ledger_account, d.asset, side.direction, side.amount
-      from transfers t
-      join due d on d.deposit_key = t.deposit_key
-     cross join lateral (values ('custody', 'debit', d.owed),
-                                ('treasury', 'credit', d.to_treasury),
-                                (ledger_account_of(d.account_id), 'credit', d.owed - d.to_treasury))
-           as side (ledger_account, direction, amount)
-     where side.amount > 0
-    returning transfer_id
 )
-select count(distinct transfer_id) from postings";
+select c.deposit_key, c.chain, c.tx_hash, c.kind, c.output_index::int, c.block_hash, c.height::bigint, c.address,
+       c.asset, c.account_id, ledger_account_of(c.account_id), (c.credits + 1)::int,
+       c.amount - c.custody_posted as owed,
+       least(greatest(-c.treasury_posted, 0), c.amount - c.custody_posted) as to_treasury
+  from chain_side c";
+
+/// The credit a [`DUE`] row asks for, keyed `{deposit key}:credit:{n}`: custody takes in what is
+/// owed, `treasury` gets back what it absorbed for the key, the owner the rest.
+fn credit(r: &tokio_postgres::Row) -> Transfer {
+    let deposit_key: String = r.get(0);
+    let (asset, owner, n): (String, &str, i32) = (r.get(8), r.get(10), r.get(11));
+    let (owed, to_treasury): (U256, U256) = (r.get(12), r.get(13));
+    let owner: LedgerAccount = owner.parse().expect("BUG: ledger_account_of returned no ledger account");
+    let leg = |account, direction, units: U256| Posting {
+        account,
+        asset: asset.clone(),
+        direction,
+        amount: Amount::from_units(units),
+    };
+    let postings: Vec<Posting> = [
+        leg(LedgerAccount::Custody, Direction::Debit, owed),
+        leg(LedgerAccount::Treasury, Direction::Credit, to_treasury),
+        leg(owner, Direction::Credit, owed - to_treasury),
+    ]
+    .into_iter()
+    .filter(|p| !p.amount.is_zero())
+    .collect();
+    let reference = serde_json::json!({
+        "chain": r.get::<_, &str>(1), "tx_hash": r.get::<_, &str>(2), "kind": r.get::<_, &str>(3),
+        "output_index": r.get::<_, i32>(4), "block_hash": r.get::<_, &str>(5), "height": r.get::<_, i64>(6),
+        "address": r.get::<_, &str>(7), "account_id": r.get::<_, i64>(9), "credit": n,
+    });
+    Transfer::new(format!("{deposit_key}:credit:{n}"), "deposit", reference, postings)
+        .expect("BUG: a deposit credit balances: custody takes what treasury and the owner get")
+        .for_deposit(deposit_key)
+}
 
 /// Keys the ledger holds money for whose every observation is orphaned, once the grace period
 /// passed (`deposit_lost`: the key's own confirmation count in blocks beyond the old chain's tip),
@@ -134,7 +148,8 @@ select s.deposit_key, s.block_hash,
 /// Each statement is atomic; a cancelled pass leaves whatever it committed, all of it valid.
 pub async fn post_chain<C: GenericClient>(client: &C, chain: Chain) -> Result<PostingReport, tokio_postgres::Error> {
     let discrepancies_closed = client.execute(CLOSE_REMINED, &[&chain.as_str()]).await?;
-    let posted: i64 = client.query_one(CREDIT_CONFIRMED, &[&chain.as_str()]).await?.get(0);
+    let due: Vec<Transfer> = client.query(DUE, &[&chain.as_str()]).await?.iter().map(credit).collect();
+    let posted = ledger::write(client, &due).await?.len();
     let reversals_proposed = client.execute(OPEN_DISCREPANCIES, &[&chain.as_str()]).await?;
     let mismatches: Vec<Mismatch> = client
         .query(MISMATCHES, &[&chain.as_str()])
@@ -147,8 +162,7 @@ pub async fn post_chain<C: GenericClient>(client: &C, chain: Chain) -> Result<Po
             "ALERT: a confirmed deposit disagrees with what was posted for its key; not posted again");
         metrics::counter!("custodian_deposit_posting_mismatches_total", "chain" => chain.as_str()).increment(1);
     }
-    metrics::counter!("custodian_deposits_posted_total", "chain" => chain.as_str())
-        .increment(u64::try_from(posted).expect("BUG: negative count"));
+    metrics::counter!("custodian_deposits_posted_total", "chain" => chain.as_str()).increment(posted as u64);
     if reversals_proposed > 0 {
         tracing::warn!(%chain, reversals_proposed,
             "ALERT: credited deposits are gone from the canonical chain past their grace period; discrepancies await review");
@@ -158,12 +172,7 @@ pub async fn post_chain<C: GenericClient>(client: &C, chain: Chain) -> Result<Po
     if discrepancies_closed > 0 {
         tracing::info!(%chain, discrepancies_closed, "open discrepancies closed: the money was re-mined");
     }
-    Ok(PostingReport {
-        posted: u64::try_from(posted).expect("BUG: negative count"),
-        reversals_proposed,
-        discrepancies_closed,
-        mismatches,
-    })
+    Ok(PostingReport { posted: posted as u64, reversals_proposed, discrepancies_closed, mismatches })
 }
 
 /// Runs [`post_chain`] for every chain.

@@ -10,6 +10,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::{Amount, LedgerAccount};
+use custodian_store::ledger::{self, Transfer};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -167,22 +168,22 @@ pub async fn decide(
     } else {
         (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", LedgerAccount::Treasury.to_string())
     };
-    let transfer: i64 = tx
-        .query_one(
-            "insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
-             values ($1, $2, $3, jsonb_build_object('proposal_id', $4::bigint, 'deposit_key', $3::text,
-                     'round', $5::int, 'decision', $6::text, 'decided_by', $7::text))
-             returning id",
-            &[&key, &kind, &current.deposit_key, &id, &current.round, &wanted, &by],
-        )
-        .await?
-        .get(0);
-    tx.execute(
-        "insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-         values ($1, $2, $3, 'debit', $4), ($1, 'custody', $3, 'credit', $4)",
-        &[&transfer, &debited, &current.asset, &current.amount.units()],
-    )
-    .await?;
+    let debited: LedgerAccount = debited.parse().expect("BUG: a proposal names a ledger account");
+    let reference = serde_json::json!({
+        "proposal_id": id, "deposit_key": current.deposit_key, "round": current.round,
+        "decision": wanted, "decided_by": by,
+    });
+    let transfer =
+        Transfer::moving(key, kind, reference, (debited, LedgerAccount::Custody), &current.asset, current.amount)
+            .expect("BUG: a discrepancy round is opened for a positive amount only")
+            .for_deposit(current.deposit_key.clone());
+    let written = ledger::write(&tx, &[transfer]).await?;
+    let &[transfer] = written.as_slice() else {
+        // The same decision committed while this one waited for the key: it is the answer.
+        let decided = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);
+        tx.commit().await?;
+        return Ok((decided, false));
+    };
     let compensating = Some(transfer);
     tx.execute(
         "insert into reversal_decision (proposal_id, decision, decided_by, reason, compensating_transfer_id)

@@ -7,6 +7,7 @@
 pub mod btc_rpc;
 pub mod deposit_addresses;
 pub mod events;
+pub mod ledger;
 pub mod migrate;
 pub mod nodes;
 pub mod operator;

@@ -14,11 +14,19 @@ fn root() -> PathBuf {
 /// Every `.rs` file under the crates' `src` folders.
 fn sources() -> Vec<PathBuf> {
     let mut found = Vec::new();
-    let mut stack: Vec<PathBuf> =
-        ["src", "domain/src", "store/src", "ingest/src", "projections/src", "withdrawals/src", "api/src", "service/src"]
-            .iter()
-            .map(|d| root().join(d))
-            .collect();
+    let mut stack: Vec<PathBuf> = [
+        "src",
+        "domain/src",
+        "store/src",
+        "ingest/src",
+        "projections/src",
+        "withdrawals/src",
+        "api/src",
+        "service/src",
+    ]
+    .iter()
+    .map(|d| root().join(d))
+    .collect();
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();

@@ -4,7 +4,7 @@
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, LedgerAccount, SignedAmount};
-use custodian_store::AppendError;
+use custodian_store::{ledger, AppendError};
 use serde::Serialize;
 
 use crate::sql::{self, Movement, StoreError};
@@ -298,7 +298,7 @@ fn normalized(request: &Request) -> Result<std::borrow::Cow<'_, Request>, Reques
 /// the lock was granted.
 const UNDER_LOCK: &str = "
 select (select id from withdrawal where account_id = $1 and external_id = $2),
-       coalesce((select balance from user_balance where ledger_account = 'user:' || $1::bigint and asset = $3), 0)::text,
+       available($1, $3)::text,
        (select coalesce(sum(amount), 0) from withdrawal
          where account_id = $1 and asset = $3 and requested_at > now() - interval '24 hours'
            and state not in ('rejected', 'cancelled', 'failed_onchain'))";
@@ -372,7 +372,7 @@ impl Statements {
                 client.prepare_cached(UNDER_LOCK),
                 client.prepare_cached(INSERT_EVENT),
                 client.prepare_cached(sql::UPSERT),
-                client.prepare_cached(sql::POST_TRANSFER),
+                client.prepare_cached(ledger::WRITE),
             )?;
         Ok(Statements {
             existing,
@@ -527,7 +527,7 @@ struct Composed {
     first_payload: serde_json::Value,
     awaiting_payload: Option<serde_json::Value>,
     projected: sql::ProjectionParams,
-    held: sql::TransferParts,
+    held: ledger::Columns,
     amount: U256,
 }
 
@@ -578,8 +578,9 @@ impl Composed {
             first_payload: requested.payload(),
             awaiting_payload: awaiting.as_ref().map(WithdrawalEvent::payload),
             projected: sql::projection_params(&withdrawal),
-            held: sql::transfer_parts(&withdrawal, Movement::Hold, Amount::ZERO)
-                .expect("BUG: a positive amount is held"),
+            held: ledger::Columns::of([
+                &sql::transfer(&withdrawal, Movement::Hold, Amount::ZERO).expect("BUG: a positive amount is held")
+            ]),
             amount: request.amount.units(),
             withdrawal,
         })

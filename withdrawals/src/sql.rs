@@ -7,7 +7,7 @@
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, LedgerAccount, Nonce};
-use custodian_store::{append_withdrawal_event, AppendError};
+use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
 /// Why a store operation failed.
@@ -186,60 +186,21 @@ pub fn fee_asset(asset: &str) -> &'static str {
     }
 }
 
-/// One withdrawal transfer in one statement: the transfer, unless its key exists already, and
-/// its two postings. ($1 key, $2 kind, $3 withdrawal id, $4 debit, $5 credit, $6 asset, $7 amount,
-/// as [`TransferParts::params`] orders them.)
-pub(crate) const POST_TRANSFER: &str = "
-with transfer as (
-    insert into ledger_transfer (idempotency_key, kind, reference)
-    values ($1, $2, jsonb_build_object('withdrawal_id', $3::bigint))
-    on conflict (idempotency_key) do nothing
-    returning id
-)
-insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-select id, $4::text, $6::text, 'debit', $7::numeric(78,0) from transfer
-union all
-select id, $5::text, $6::text, 'credit', $7::numeric(78,0) from transfer";
-
-/// What one of a withdrawal's transfers moves, keyed `withdrawal:{id}:{kind}`.
-pub(crate) struct TransferParts {
-    key: String,
-    kind: &'static str,
-    withdrawal_id: i64,
-    debit: String,
-    credit: String,
-    asset: String,
-    amount: U256,
-}
-
-impl TransferParts {
-    /// In [`POST_TRANSFER`]'s order.
-    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
-        [&self.key, &self.kind, &self.withdrawal_id, &self.debit, &self.credit, &self.asset, &self.amount]
-    }
-}
-
-/// The transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]); `None` when it moves
-/// nothing. The posting rules of withdrawals, stated here once.
-pub(crate) fn transfer_parts(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<TransferParts> {
+/// The transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]), keyed
+/// `withdrawal:{id}:{kind}`; `None` when it moves nothing. The posting rules of withdrawals,
+/// stated here once.
+pub fn transfer(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<ledger::Transfer> {
     use LedgerAccount::{Custody, NetworkFees, WithdrawalHolds};
     let payer = LedgerAccount::payer(w.account_id, w.treasury);
-    let (kind, suffix, debit, credit, asset, amount) = match movement {
-        Movement::Hold => ("withdrawal_hold", "hold", payer, WithdrawalHolds, w.asset.as_str(), w.amount),
-        Movement::Release => ("withdrawal_release", "release", WithdrawalHolds, payer, w.asset.as_str(), w.amount),
-        Movement::Settle => ("withdrawal_settle", "settle", WithdrawalHolds, Custody, w.asset.as_str(), w.amount),
+    let (kind, suffix, accounts, asset, amount) = match movement {
+        Movement::Hold => ("withdrawal_hold", "hold", (payer, WithdrawalHolds), w.asset.as_str(), w.amount),
+        Movement::Release => ("withdrawal_release", "release", (WithdrawalHolds, payer), w.asset.as_str(), w.amount),
+        Movement::Settle => ("withdrawal_settle", "settle", (WithdrawalHolds, Custody), w.asset.as_str(), w.amount),
         // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
-        Movement::Fee => ("network_fee", "fee", NetworkFees, Custody, fee_asset(&w.asset), fee),
+        Movement::Fee => ("network_fee", "fee", (NetworkFees, Custody), fee_asset(&w.asset), fee),
     };
-    (!amount.is_zero()).then(|| TransferParts {
-        key: format!("withdrawal:{}:{suffix}", w.id),
-        kind,
-        withdrawal_id: w.id,
-        debit: debit.to_string(),
-        credit: credit.to_string(),
-        asset: asset.to_owned(),
-        amount: amount.units(),
-    })
+    let reference = serde_json::json!({ "withdrawal_id": w.id });
+    ledger::Transfer::moving(format!("withdrawal:{}:{suffix}", w.id), kind, reference, accounts, asset, amount)
 }
 
 /// Posts one of a withdrawal's transfers; a second post of the same kind is a no-op.
@@ -249,8 +210,8 @@ pub async fn post(
     movement: Movement,
     fee: Amount,
 ) -> Result<(), tokio_postgres::Error> {
-    if let Some(parts) = transfer_parts(w, movement, fee) {
-        tx.execute(POST_TRANSFER, &parts.params()).await?;
+    if let Some(transfer) = transfer(w, movement, fee) {
+        ledger::write(tx, &[transfer]).await?;
     }
     Ok(())
 }

@@ -150,3 +150,56 @@ async fn u256_max_round_trips_through_numeric_78_0() {
     let too_big = client.query_one("select (2::numeric ^ 256)::numeric(80,0)", &[]).await.unwrap();
     assert!(too_big.try_get::<_, U256>(0).is_err(), "2^256 must not silently wrap into a U256");
 }
+
+#[tokio::test]
+async fn the_ledger_writer_writes_a_key_once_and_available_follows_the_postings() {
+    use custodian_domain::{Amount, LedgerAccount};
+    use custodian_store::ledger::{self, Direction, Posting, Transfer};
+    let db = TestDb::new().await;
+    let client = db.pool.get().await.unwrap();
+    let account: i64 =
+        client.query_one("insert into account (external_ref) values ('w') returning id", &[]).await.unwrap().get(0);
+    assert_eq!(ledger::available(&client, account, "ETH").await.unwrap().to_string(), "0", "no row is zero");
+    let leg = |account, direction, units| Posting {
+        account,
+        asset: "ETH".into(),
+        direction,
+        amount: Amount::from_u64(units),
+    };
+    let credit = |key: &str, units| {
+        Transfer::new(
+            key,
+            "adjustment",
+            serde_json::json!({ "why": key }),
+            vec![
+                leg(LedgerAccount::Treasury, Direction::Debit, units),
+                leg(LedgerAccount::User(account), Direction::Credit, units),
+            ],
+        )
+        .unwrap()
+    };
+    let written = ledger::write(&client, &[credit("adj:a", 70), credit("adj:b", 5)]).await.unwrap();
+    assert_eq!(written.len(), 2);
+    assert_eq!(ledger::available(&client, account, "ETH").await.unwrap().to_string(), "75");
+    // The same keys again (a retried pass): nothing is written, postings included.
+    assert!(ledger::write(&client, &[credit("adj:a", 70)]).await.unwrap().is_empty());
+    let postings: i64 = client.query_one("select count(*) from ledger_posting", &[]).await.unwrap().get(0);
+    assert_eq!(postings, 4);
+    let back = Transfer::moving(
+        "adj:c",
+        "adjustment",
+        serde_json::Value::Null,
+        (LedgerAccount::User(account), LedgerAccount::Treasury),
+        "ETH",
+        Amount::from_u64(80),
+    )
+    .unwrap();
+    ledger::write(&client, &[back]).await.unwrap();
+    assert_eq!(ledger::available(&client, account, "ETH").await.unwrap().to_string(), "-5");
+    let reference: serde_json::Value = client
+        .query_one("select reference from ledger_transfer where idempotency_key = 'adj:b'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(reference, serde_json::json!({ "why": "adj:b" }));
+}
