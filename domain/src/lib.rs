@@ -12,6 +12,7 @@ pub mod hash;
 pub mod hd;
 pub mod ledger_account;
 pub mod nonce;
+pub mod posting_rules;
 pub mod withdrawal;
 
 pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};

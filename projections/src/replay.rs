@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 
 use alloy_primitives::U256;
+use custodian_domain::posting_rules::{self, Booking};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
 use custodian_domain::{Amount, LedgerAccount, Nonce, SignedAmount};
 use futures::{pin_mut, TryStreamExt};
@@ -132,50 +133,45 @@ select d.compensating_transfer_id, r.deposit_key, 'an approval without its rever
    and not exists (select 1 from ledger_transfer t where t.id = d.compensating_transfer_id and t.kind = 'reversal')
 order by 1";
 
-/// What each withdrawal's events say the ledger must hold: the hold at request; its release when
-/// rejected, cancelled, failed on chain or resolved as not paid; the settlement when confirmed or
-/// resolved as paid; the real fee when paid.
+/// What the withdrawals' events say the ledger must hold, as the posting rules book them
+/// (`custodian_domain::posting_rules::bookings`, the rules the live path posts by): each
+/// booking's two legs ($1 key, $2 ledger account, $3 asset, $4 direction, $5 amount), with the
+/// transfer that holds its key, if any.
 const EXPECTED_MOVEMENTS: &str = "
-with req as (
-    select withdrawal_id as id, payload ->> 'asset' as asset, (payload ->> 'amount')::numeric(78,0) as amount,
-           -- an internal withdrawal (rebalancing) is held from treasury
-           case when coalesce((payload ->> 'treasury')::boolean, false) then 'treasury'
-                else 'user:' || (payload ->> 'account_id') end as payer
-      from withdrawal_event where event_type = 'requested'
-), outcomes as (
-    -- an operator's resolution ends like the outcome it names: paid settles, not paid releases
-    select withdrawal_id as id, seq,
-           case event_type when 'resolved' then case when (payload ->> 'paid')::boolean then 'confirmed'
-                                                     else 'cancelled' end
-                           else event_type end as event_type,
-           coalesce((payload ->> 'fee')::numeric(78,0), 0) as fee
-      from withdrawal_event where event_type in ('rejected', 'cancelled', 'failed_onchain', 'confirmed', 'resolved')
-), ends as (
-    -- each movement once, as first booked (a payment confirmed, reorged out past the depth and
-    -- resolved as paid again settles once, with its first fee)
-    select distinct on (id, event_type) id, event_type, 0::numeric(78,0) as fee from outcomes order by id, event_type, seq
-), fees as (
-    select distinct on (id) id, fee from outcomes where fee > 0 order by id, seq
-), movement as (
-    select 'withdrawal:' || r.id || ':hold' as key, r.payer as debit, 'withdrawal_holds' as credit,
-           r.asset, r.amount
-      from req r
-    union all
-    select 'withdrawal:' || r.id || ':release', 'withdrawal_holds', r.payer, r.asset, r.amount
-      from req r join ends e on e.id = r.id and e.event_type in ('rejected', 'cancelled', 'failed_onchain')
-    union all
-    select 'withdrawal:' || r.id || ':settle', 'withdrawal_holds', 'custody', r.asset, r.amount
-      from req r join ends e on e.id = r.id and e.event_type = 'confirmed'
-    union all
-    -- gas in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin (withdrawals::sql::fee_asset)
-    select 'withdrawal:' || f.id || ':fee', 'network_fees', 'custody',
-           case when r.asset = 'BTC' then 'BTC' else 'ETH' end, f.fee
-      from fees f join req r on r.id = f.id
-)
-select t.id as transfer_id, m.key as idempotency_key, side.ledger_account, m.asset, side.direction, m.amount
-  from movement m
-  left join ledger_transfer t on t.idempotency_key = m.key
- cross join lateral (values (m.debit, 'debit'), (m.credit, 'credit')) as side (ledger_account, direction)";
+select t.id as transfer_id, m.key as idempotency_key, m.ledger_account, m.asset, m.direction, m.amount
+  from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::numeric[])
+       as m (key, ledger_account, asset, direction, amount)
+  left join ledger_transfer t on t.idempotency_key = m.key";
+
+/// The legs of `bookings`, as [`EXPECTED_MOVEMENTS`]'s parameters.
+#[derive(Default)]
+struct Legs {
+    keys: Vec<String>,
+    accounts: Vec<String>,
+    assets: Vec<String>,
+    directions: Vec<&'static str>,
+    amounts: Vec<U256>,
+}
+
+impl Legs {
+    fn of(bookings: &[Booking]) -> Legs {
+        let mut legs = Legs::default();
+        for b in bookings {
+            for (account, direction) in [(&b.debit, "debit"), (&b.credit, "credit")] {
+                legs.keys.push(b.key.clone());
+                legs.accounts.push(account.to_string());
+                legs.assets.push(b.asset.clone());
+                legs.directions.push(direction);
+                legs.amounts.push(b.amount.units());
+            }
+        }
+        legs
+    }
+
+    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 5] {
+        [&self.keys, &self.accounts, &self.assets, &self.directions, &self.amounts]
+    }
+}
 
 /// Live postings of withdrawal kinds against what the events require, as a hash full join (a
 /// duplicated posting unbalances its transfer, which the balance check reports).
@@ -401,8 +397,10 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         }
     }
     let mut rebuilt = Vec::with_capacity(streams.len());
-    for (id, events) in streams {
-        match Withdrawal::fold(id, &events) {
+    let mut bookings = Vec::new();
+    for (id, events) in &streams {
+        bookings.extend(posting_rules::bookings(*id, events));
+        match Withdrawal::fold(*id, events) {
             Some(w) => rebuilt.push(w),
             None => report.differences.push(Difference {
                 check: "withdrawal streams",
@@ -499,7 +497,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     }
 
     // The posting set and the invariants.
-    for row in tx.query(&posting_diff(), &[]).await? {
+    let legs = Legs::of(&bookings);
+    for row in tx.query(&posting_diff(), &legs.params()).await? {
         report
             .differences
             .push(Difference { check: "posting set", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
@@ -556,7 +555,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
             .differences
             .push(Difference { check: "transfers balance", detail: format!("transfer {id} ({key}): {problem}") });
     }
-    for row in tx.query(&custody(), &[]).await? {
+    for row in tx.query(&custody(), &legs.params()).await? {
         report.differences.push(Difference {
             check: "custody",
             detail: format!(

@@ -6,7 +6,7 @@ use custodian_domain::Amount;
 
 use crate::payout::{hex, token_of, token_paid};
 use crate::rpc::EthNode;
-use crate::sql::{self, Movement, StoreError};
+use crate::sql::{self, StoreError};
 use custodian_store::AppendError;
 
 /// Why an action was refused. Nothing was written.
@@ -140,7 +140,6 @@ pub async fn cancel(
         WithdrawalState::Requested | WithdrawalState::AwaitingApproval => {
             let cancelled = WithdrawalEvent::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some(by.to_owned()) };
             sql::append(&tx, &mut w, cancelled).await?;
-            sql::post(&tx, &w, Movement::Release, Amount::ZERO).await?;
         }
         WithdrawalState::Signed | WithdrawalState::Broadcast => {
             // A BTC cancel replaces the whole transaction: inside a batch it would cancel the
@@ -428,10 +427,8 @@ async fn record_resolution(
         _ => unreachable!("BUG: a resolution is a resolved event"),
     };
     let details = serde_json::json!({"withdrawal_id": id, "event": event.payload()});
+    // Settled (paid) or released, and the fee of whatever consumed the nonce charged either way.
     sql::append(&tx, &mut w, event).await?;
-    // The fee of whatever consumed the nonce left our hot wallet either way.
-    sql::post(&tx, &w, if paid { Movement::Settle } else { Movement::Release }, Amount::ZERO).await?;
-    sql::post(&tx, &w, Movement::Fee, fee).await?;
     if let Some(spend) = btc_spend {
         // The last withdrawal of a BTC spend resolved: its coins are no longer anyone's.
         tx.execute(

@@ -7,7 +7,7 @@ use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, Ledger
 use custodian_store::{ledger, AppendError};
 use serde::Serialize;
 
-use crate::sql::{self, Movement, StoreError};
+use crate::sql::{self, StoreError};
 
 /// What a client asks for, already parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -578,9 +578,7 @@ impl Composed {
             first_payload: requested.payload(),
             awaiting_payload: awaiting.as_ref().map(WithdrawalEvent::payload),
             projected: sql::projection_params(&withdrawal),
-            held: ledger::Columns::of([
-                &sql::transfer(&withdrawal, Movement::Hold, Amount::ZERO).expect("BUG: a positive amount is held")
-            ]),
+            held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
             amount: request.amount.units(),
             withdrawal,
         })
@@ -873,7 +871,6 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         },
     )
     .await?;
-    sql::post(&tx, &withdrawal, Movement::Hold, Amount::ZERO).await?;
     tx.commit().await?;
     metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
     Ok(Requested { withdrawal, created: true })

@@ -6,7 +6,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, LedgerAccount, Nonce};
+use custodian_domain::{posting_rules, Amount, Nonce};
 use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -27,19 +27,23 @@ pub fn event_from_row(event_type: &str, payload: &serde_json::Value) -> Withdraw
         .unwrap_or_else(|e| panic!("BUG: stored {event_type} event does not decode: {e}"))
 }
 
-/// Appends `event` to `w`'s stream at its current sequence, applies it, and writes the projection.
+/// Appends `event` to `w`'s stream at its current sequence, applies it, writes the projection,
+/// and posts the transfers the event entails by the posting rules: a stream and its ledger
+/// movements are written together or not at all.
 pub async fn append(tx: &Transaction<'_>, w: &mut Withdrawal, event: WithdrawalEvent) -> Result<(), StoreError> {
     append_withdrawal_event(tx, w.id, w.last_seq, event.event_type(), &event.payload()).await?;
     w.apply(&event);
     write_projection(tx, w).await?;
+    post_entailed(tx, w, &event).await?;
     Ok(())
 }
 
-/// Starts a stream with its `requested` event and inserts the projection row.
+/// Starts a stream with its `requested` event, inserts the projection row and posts the hold.
 pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Result<Withdrawal, StoreError> {
     let w = Withdrawal::start(id, &first).expect("BUG: a stream starts with requested");
     append_withdrawal_event(tx, id, 0, first.event_type(), &first.payload()).await?;
     write_projection(tx, &w).await?;
+    post_entailed(tx, &w, &first).await?;
     Ok(w)
 }
 
@@ -164,56 +168,30 @@ pub async fn load_many<C: GenericClient>(
     Ok(ids.iter().map(|id| streams.get(id).and_then(|events| Withdrawal::fold(*id, events))).collect())
 }
 
-/// The kinds of transfer a withdrawal makes, each keyed `withdrawal:{id}:{kind}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Movement {
-    /// Request: debit the user, credit `withdrawal_holds`.
-    Hold,
-    /// Rejected, cancelled or failed on chain: the hold goes back to the user.
-    Release,
-    /// Confirmed: the held amount left custody.
-    Settle,
-    /// The real fee, paid from custody to the network.
-    Fee,
-}
+pub use custodian_domain::posting_rules::{fee_asset, Movement};
 
-/// The asset a withdrawal of `asset` pays its network fee in.
-pub fn fee_asset(asset: &str) -> &'static str {
-    if asset == "BTC" {
-        "BTC"
-    } else {
-        "ETH"
-    }
-}
-
-/// The transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]), keyed
-/// `withdrawal:{id}:{kind}`; `None` when it moves nothing. The posting rules of withdrawals,
-/// stated here once.
+/// The ledger transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]), by the posting
+/// rules (`custodian_domain::posting_rules`); `None` when it moves nothing.
 pub fn transfer(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<ledger::Transfer> {
-    use LedgerAccount::{Custody, NetworkFees, WithdrawalHolds};
-    let payer = LedgerAccount::payer(w.account_id, w.treasury);
-    let (kind, suffix, accounts, asset, amount) = match movement {
-        Movement::Hold => ("withdrawal_hold", "hold", (payer, WithdrawalHolds), w.asset.as_str(), w.amount),
-        Movement::Release => ("withdrawal_release", "release", (WithdrawalHolds, payer), w.asset.as_str(), w.amount),
-        Movement::Settle => ("withdrawal_settle", "settle", (WithdrawalHolds, Custody), w.asset.as_str(), w.amount),
-        // Gas is paid in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin.
-        Movement::Fee => ("network_fee", "fee", (NetworkFees, Custody), fee_asset(&w.asset), fee),
-    };
+    let b = posting_rules::booking(w, movement, fee)?;
     let reference = serde_json::json!({ "withdrawal_id": w.id });
-    ledger::Transfer::moving(format!("withdrawal:{}:{suffix}", w.id), kind, reference, accounts, asset, amount)
+    ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset, b.amount)
 }
 
-/// Posts one of a withdrawal's transfers; a second post of the same kind is a no-op.
-pub async fn post(
+/// Posts what `event`, just appended to `w`'s stream, entails ([`posting_rules::entailed`]);
+/// a transfer posted before is not posted again.
+async fn post_entailed(
     tx: &Transaction<'_>,
     w: &Withdrawal,
-    movement: Movement,
-    fee: Amount,
+    event: &WithdrawalEvent,
 ) -> Result<(), tokio_postgres::Error> {
-    if let Some(transfer) = transfer(w, movement, fee) {
-        ledger::write(tx, &[transfer]).await?;
-    }
+    ledger::write(tx, &entailed(w, event)).await?;
     Ok(())
+}
+
+/// The ledger transfers `event` of `w`'s stream entails ([`posting_rules::entailed`]).
+pub(crate) fn entailed(w: &Withdrawal, event: &WithdrawalEvent) -> Vec<ledger::Transfer> {
+    posting_rules::entailed(event).into_iter().filter_map(|(m, fee)| transfer(w, m, fee)).collect()
 }
 
 /// What an attempt was signed to do (DESIGN §7 item 11).

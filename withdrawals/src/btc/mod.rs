@@ -30,7 +30,7 @@ use self::node::{BtcNode, Sent};
 use self::tx::{Coin, FeeRate, P2WPKH_SCRIPT_LEN};
 use crate::btc_key::{BtcHotKey, KeyPath};
 use crate::hot_wallet::{self, Lane};
-use crate::sql::{self, Movement};
+use crate::sql;
 use crate::worker::{record, verified_request, PassReport, WorkError};
 
 /// How BTC withdrawals are batched, priced and settled (`[btc]` in the configuration).
@@ -604,11 +604,10 @@ impl BtcWorker {
         spend: &OpenSpend,
         still: impl Fn(&Withdrawal) -> bool + Copy,
         event: &WithdrawalEvent,
-        movements: impl Fn(i64) -> Vec<(Movement, Amount)>,
     ) -> Result<u64, WorkError> {
         let mut n = 0;
         for id in &spend.withdrawals {
-            if record(&self.pool, *id, still, event.clone(), &movements(*id)).await? {
+            if record(&self.pool, *id, still, event.clone()).await? {
                 n += 1;
             }
         }
@@ -661,7 +660,7 @@ impl BtcWorker {
                 metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.clone()).increment(1);
                 let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
                 let still = |w: &Withdrawal| w.state != WithdrawalState::NeedsReview && w.holds_funds();
-                report.needs_review += self.record_all(spend, still, &event, |_| Vec::new()).await?;
+                report.needs_review += self.record_all(spend, still, &event).await?;
                 if sql::pause_lane_on(
                     &client,
                     "btc",
@@ -683,8 +682,7 @@ impl BtcWorker {
                         block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
                     };
                     tracing::warn!(lane = %lane.lane, spend = spend.id, "a mined BTC spend left the canonical chain; its bytes go out again");
-                    report.unmined +=
-                        self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event, |_| Vec::new()).await?;
+                    report.unmined += self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event).await?;
                 }
                 continue;
             };
@@ -700,15 +698,14 @@ impl BtcWorker {
                         tx_hash: w.tx_hash.clone().expect("BUG: mined without a hash"),
                         block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
                     };
-                    report.unmined +=
-                        self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event, |_| Vec::new()).await?;
+                    report.unmined += self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event).await?;
                 }
                 let event = WithdrawalEvent::Mined {
                     tx_hash: tx_hash.clone(),
                     block_hash: block_hash.clone(),
                     block_number: height,
                 };
-                report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state), &event, |_| Vec::new()).await?;
+                report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state), &event).await?;
             }
             if tip + 1 < height + self.config.confirmations {
                 continue;
@@ -718,10 +715,7 @@ impl BtcWorker {
             if kind == Some(AttemptKind::Cancel) {
                 let event =
                     WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash.clone()), fee: units(attempt.fee), by: None };
-                let fee = units(attempt.fee);
-                report.cancelled += self
-                    .record_all(spend, mined, &event, |_| vec![(Movement::Release, Amount::ZERO), (Movement::Fee, fee)])
-                    .await?;
+                report.cancelled += self.record_all(spend, mined, &event).await?;
                 continue;
             }
             let payouts = client
@@ -738,8 +732,7 @@ impl BtcWorker {
                 let fee = units(shares[id]);
                 let event =
                     WithdrawalEvent::Confirmed { tx_hash: tx_hash.clone(), block_hash: block_hash.clone(), fee };
-                let movements = [(Movement::Settle, Amount::ZERO), (Movement::Fee, fee)];
-                if record(&self.pool, *id, mined, event, &movements).await? {
+                if record(&self.pool, *id, mined, event).await? {
                     report.confirmed += 1;
                 }
             }
@@ -762,7 +755,7 @@ impl BtcWorker {
                     if w.state == WithdrawalState::Signed {
                         let event = WithdrawalEvent::Broadcast { tx_hash: live.clone(), at_block: Some(tip) };
                         let still = |w: &Withdrawal| w.state == WithdrawalState::Signed;
-                        report.broadcast += self.record_all(&spend, still, &event, |_| Vec::new()).await?;
+                        report.broadcast += self.record_all(&spend, still, &event).await?;
                     } else {
                         report.rebroadcast += 1;
                     }
@@ -869,9 +862,7 @@ impl BtcWorker {
                     cap: units(self.config.max_fee_rate.0),
                     at_block: tip,
                 };
-                let n = self
-                    .record_all(&spend, |w| !w.stuck_at_cap && UNMINED.contains(&w.state), &event, |_| Vec::new())
-                    .await?;
+                let n = self.record_all(&spend, |w| !w.stuck_at_cap && UNMINED.contains(&w.state), &event).await?;
                 if n > 0 {
                     tracing::error!(lane = %lane.lane, tx = %live, cap_sat_per_kvb = self.config.max_fee_rate.0,
                         "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from)");

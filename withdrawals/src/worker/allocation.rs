@@ -14,7 +14,7 @@ use super::{PassReport, WorkError, Worker};
 use crate::hot_wallet::Lane;
 use crate::payout::{self, balance_of_call, fresh_fees, hex, payout_call, returned_u256, token_of, TRANSFER_GAS};
 use crate::signer::{SignedTx, Signer, SignerError};
-use crate::sql::{self, Movement};
+use crate::sql;
 
 /// Batches at least this large are signed on several threads (each thread takes at least
 /// half of this many), so that a lane's row lock is held for less time.
@@ -347,10 +347,7 @@ impl Worker {
             },
         };
         let rejected = WithdrawalEvent::Rejected { reason: refusal };
-        if self
-            .record(w.id, |w| w.state == WithdrawalState::Requested, rejected, &[(Movement::Release, Amount::ZERO)])
-            .await?
-        {
+        if self.record(w.id, |w| w.state == WithdrawalState::Requested, rejected).await? {
             report.rejected += 1;
         }
         Ok(None)

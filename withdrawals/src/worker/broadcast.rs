@@ -116,7 +116,6 @@ impl Worker {
                     id,
                     still: Box::new(|w| w.state == WithdrawalState::Signed),
                     event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(accepted_at) },
-                    movements: Vec::new(),
                 }),
                 Sent::Accepted => {
                     tracing::info!(withdrawal = id, tx = %live.tx_hash, "the node had lost the attempt; sent the same bytes again");

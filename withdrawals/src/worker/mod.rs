@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
 use custodian_store::Pool;
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
@@ -31,7 +30,7 @@ use crate::hot_wallet::{self, Lane};
 use crate::payout::hex;
 use crate::rpc::{EthNode, NodeError};
 use crate::signer::{Signer, SignerError};
-use crate::sql::{self, Movement, StoreError};
+use crate::sql::{self, StoreError};
 
 pub use crate::payout::{payout_call, TRANSFER_GAS};
 pub use allocation::Pricing;
@@ -239,7 +238,6 @@ pub(crate) async fn record(
     id: i64,
     still: impl Fn(&Withdrawal) -> bool,
     event: WithdrawalEvent,
-    movements: &[(Movement, Amount)],
 ) -> Result<bool, WorkError> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -249,9 +247,6 @@ pub(crate) async fn record(
     }
     let state = event.event_type();
     sql::append(&tx, &mut w, event).await?;
-    for (movement, fee) in movements {
-        sql::post(&tx, &w, *movement, *fee).await?;
-    }
     tx.commit().await?;
     metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
     Ok(true)
@@ -262,7 +257,6 @@ pub(crate) struct Recording {
     pub(crate) id: i64,
     pub(crate) still: Box<dyn Fn(&Withdrawal) -> bool + Send + Sync>,
     pub(crate) event: WithdrawalEvent,
-    pub(crate) movements: Vec<(Movement, Amount)>,
 }
 
 /// Events recorded per transaction by [`record_all`].
@@ -310,7 +304,7 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
             Err(e) => {
                 tracing::info!("recording {} events together failed ({e}); recording them one by one", chunk.len());
                 for (index, item) in chunk {
-                    recorded[*index] = record(pool, item.id, &item.still, item.event.clone(), &item.movements).await?;
+                    recorded[*index] = record(pool, item.id, &item.still, item.event.clone()).await?;
                 }
             }
         }
@@ -332,9 +326,6 @@ async fn record_one<'a>(
     }
     let state = item.event.event_type();
     sql::append(tx, &mut w, item.event.clone()).await?;
-    for (movement, fee) in &item.movements {
-        sql::post(tx, &w, *movement, *fee).await?;
-    }
     Ok(Some((index, state)))
 }
 
@@ -536,9 +527,8 @@ impl Worker {
         id: i64,
         still: impl Fn(&Withdrawal) -> bool,
         event: WithdrawalEvent,
-        movements: &[(Movement, Amount)],
     ) -> Result<bool, WorkError> {
-        record(&self.pool, id, still, event, movements).await
+        record(&self.pool, id, still, event).await
     }
 
     async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {

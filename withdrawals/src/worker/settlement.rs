@@ -10,7 +10,7 @@ use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
 use crate::payout::{self, cancel_call, classify, hex, payout_call, token_of, token_paid};
 use crate::rpc::Receipt;
-use crate::sql::{self, Intent, Movement};
+use crate::sql::{self, Intent};
 
 impl Worker {
     /// Which attempt mined, once the address's mined nonce count passes a withdrawal's nonce;
@@ -67,7 +67,6 @@ impl Worker {
                             block_hash: hex(receipt.block_hash),
                             block_number: receipt.block_number,
                         },
-                        movements: Vec::new(),
                     });
                 }
                 None if self.node.block_hash(head).await? != head_hash => {
@@ -94,7 +93,6 @@ impl Worker {
                             id,
                             |w| UNMINED.contains(&w.state),
                             WithdrawalEvent::NeedsReview { reason: reason.clone() },
-                            &[],
                         )
                         .await?
                     {
@@ -138,7 +136,7 @@ impl Worker {
                 }
                 tracing::warn!(withdrawal = id, %tx_hash, block = %mined_in, "mined block reorged out; the mined bytes go out again");
                 if self
-                    .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in }, &[])
+                    .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in })
                     .await?
                 {
                     report.unmined += 1;
@@ -150,10 +148,10 @@ impl Worker {
             }
             let attempts = attempts_of_this;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
-            let (event, movements) = outcome(&w, address, mined, &receipt, &mined_in);
+            let event = outcome(&w, address, mined, &receipt, &mined_in);
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
             settled.push((
-                Recording { id, still: Box::new(still_mined_there), event: event.clone(), movements },
+                Recording { id, still: Box::new(still_mined_there), event: event.clone() },
                 event,
                 short_paid,
             ));
@@ -220,7 +218,7 @@ impl Worker {
             metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.clone()).increment(1);
             tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
             let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-            if self.record(id, |w| w.state == WithdrawalState::Confirmed, event, &[]).await? {
+            if self.record(id, |w| w.state == WithdrawalState::Confirmed, event).await? {
                 report.needs_review += 1;
                 self.pause(lane, &format!("needs review: {reason}"), report).await?;
             }
@@ -304,7 +302,7 @@ fn outcome(
     mined: &sql::Attempt,
     receipt: &Receipt,
     block_hash: &str,
-) -> (WithdrawalEvent, Vec<(Movement, Amount)>) {
+) -> WithdrawalEvent {
     let tx_hash = mined.tx_hash.clone();
     let tx = payout::decode(&mined.raw);
     match classify(&tx, &payout_call(w), &cancel_call(hot_wallet)) {
@@ -323,7 +321,7 @@ fn outcome(
                 w.destination
             );
             tracing::error!(withdrawal = w.id, "ALERT: {reason}");
-            (WithdrawalEvent::NeedsReview { reason }, Vec::new())
+            WithdrawalEvent::NeedsReview { reason }
         }
     }
 }
@@ -336,15 +334,14 @@ fn settle_as(
     tx_hash: String,
     block_hash: &str,
     receipt: &Receipt,
-) -> (WithdrawalEvent, Vec<(Movement, Amount)>) {
+) -> WithdrawalEvent {
     let fee = Amount::from_units(receipt.fee);
-    let release = vec![(Movement::Fee, fee), (Movement::Release, Amount::ZERO)];
     let block_hash = block_hash.to_owned();
     if intent == Intent::Cancel {
-        return (WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee, by: None }, release);
+        return WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee, by: None };
     }
     if !receipt.success {
-        return (WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee }, release);
+        return WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee };
     }
     if let Some(token) = token_of(&w.asset) {
         let destination: Address = w.destination.parse().expect("BUG: stored destination is not an address");
@@ -357,11 +354,8 @@ fn settle_as(
                  failed on chain, the hold released; reconcile the hot wallet's token balance",
                 paid, w.amount.units()
             );
-            return (WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee }, release);
+            return WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee };
         }
     }
-    (
-        WithdrawalEvent::Confirmed { tx_hash, block_hash, fee },
-        vec![(Movement::Settle, Amount::ZERO), (Movement::Fee, fee)],
-    )
+    WithdrawalEvent::Confirmed { tx_hash, block_hash, fee }
 }
