@@ -9,7 +9,8 @@ use futures::{StreamExt, TryStreamExt};
 
 use crate::block::{FetchedBlock, TransferAsset};
 use crate::reader::{ChainReader, ReadError};
-use crate::sql::{self, DepositRow, IngestError, LeaseId, Orphaned};
+use crate::reorg::record_reorg;
+use crate::sql::{self, DepositRow, IngestError, LeaseId};
 
 /// How the scanner paces itself. Every limit is bounded.
 #[derive(Debug, Clone)]
@@ -282,9 +283,9 @@ pub trait AfterStep: Send + Sync {
 
 /// Scans one chain into the database.
 pub struct Scanner<R> {
-    reader: R,
-    pool: Pool,
-    config: ScanConfig,
+    pub(crate) reader: R,
+    pub(crate) pool: Pool,
+    pub(crate) config: ScanConfig,
     after_step: Option<std::sync::Arc<dyn AfterStep>>,
     /// The next batch (its first height and blocks), fetched while the previous one was being
     /// stored, so that the node (or the reader's decoding) and the database work at once.
@@ -299,7 +300,7 @@ pub struct Scanner<R> {
     shutdown: std::sync::Mutex<Option<tokio::sync::watch::Receiver<bool>>>,
 }
 
-enum Step {
+pub(crate) enum Step {
     CaughtUp,
     Stored,
     Standby(Option<i32>),
@@ -364,7 +365,7 @@ impl<R: ChainReader> Scanner<R> {
         *self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = state;
     }
 
-    async fn stepped(&self) {
+    pub(crate) async fn stepped(&self) {
         if let Some(hook) = &self.after_step {
             hook.after_step(self.chain()).await;
         }
@@ -536,7 +537,7 @@ impl<R: ChainReader> Scanner<R> {
     }
 
     /// Calls the node, retrying transient failures with exponential backoff up to the budget.
-    async fn with_retry<T, F, Fut>(&self, what: &str, mut call: F) -> Result<T, ScanError>
+    pub(crate) async fn with_retry<T, F, Fut>(&self, what: &str, mut call: F) -> Result<T, ScanError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, ReadError>>,
@@ -581,7 +582,7 @@ impl<R: ChainReader> Scanner<R> {
         Ok(wait.await)
     }
 
-    fn record_lag(&self, node_tip: u64, our_tip: Option<u64>) {
+    pub(crate) fn record_lag(&self, node_tip: u64, our_tip: Option<u64>) {
         let lag = match our_tip {
             Some(ours) => node_tip.saturating_sub(ours),
             None => node_tip.saturating_add(1).saturating_sub(self.config.start_height),
@@ -680,29 +681,6 @@ impl<R: ChainReader> Scanner<R> {
         }
     }
 
-    /// Caught up: a reorg that replaced our tip without lengthening the chain shows only as a
-    /// different hash at our tip's height. A node that lacks that height (lagging, resyncing) says
-    /// nothing about it and moves nothing.
-    async fn check_tip(&self, lease: LeaseId, node_tip: u64, report: &mut ScanReport) -> Result<Step, ScanError> {
-        let ours = sql::our_tip(&self.pool.get().await?, self.chain()).await?;
-        self.record_lag(node_tip, ours.as_ref().map(|(h, _)| *h));
-        let Some((our_tip, ours)) = ours else {
-            return Ok(Step::CaughtUp);
-        };
-        if our_tip > node_tip {
-            return Ok(Step::CaughtUp);
-        }
-        let theirs = self.with_retry("checking our tip", || self.reader.block_hash(our_tip)).await?;
-        match theirs {
-            Some(theirs) if theirs != ours => {
-                self.reconcile(lease, our_tip + 1, report).await?;
-                self.stepped().await;
-                Ok(Step::Stored)
-            }
-            _ => Ok(Step::CaughtUp),
-        }
-    }
-
     /// Fetches `from..=to` concurrently, in order, stopping at the node's tip or where the fetched
     /// blocks stop forming one chain (the node reorged mid-fetch; the rest comes next batch).
     async fn fetch_range(&self, from: u64, to: u64) -> Result<Vec<FetchedBlock>, ReadError> {
@@ -720,68 +698,6 @@ impl<R: ChainReader> Scanner<R> {
         }
         Ok(blocks)
     }
-
-    /// Walks back from our tip comparing hashes with the node, orphan-marks what diverged and
-    /// moves the cursor to just above the fork point, under the lease and only if our tip is
-    /// still the one compared. All node calls happen before the one transaction that marks. A
-    /// walk-back that finds our tip on the node's chain orphans nothing: the node contradicted
-    /// itself, which is reported (and backed off from), never spun on.
-    async fn reconcile(&self, lease: LeaseId, mismatch_height: u64, report: &mut ScanReport) -> Result<(), ScanError> {
-        let chain = self.chain();
-        let window = self.config.retention_blocks;
-        let ours = sql::canonical_desc(&self.pool.get().await?, chain, window + 1).await?;
-        let Some((our_tip, tip_hash)) = ours.first().cloned() else { return Ok(()) };
-        let mut fork = None;
-        for (height, hash) in &ours {
-            let theirs = self.with_retry("comparing block hashes", || self.reader.block_hash(*height)).await?;
-            if theirs.as_deref() == Some(hash.as_str()) {
-                fork = Some(*height);
-                break;
-            }
-        }
-        let lowest = ours.last().map_or(0, |(h, _)| *h);
-        if fork.is_none() && ours.len() as u64 > window {
-            return Err(ScanError::DeepReorg { chain, window, our_tip, lowest_checked: lowest });
-        }
-        if fork == Some(our_tip) {
-            metrics::counter!("custodian_scanner_node_inconsistencies_total", "chain" => chain.as_str()).increment(1);
-            return Err(ScanError::NodeInconsistent { chain, height: mismatch_height, below: our_tip });
-        }
-        // Everything we hold diverges but we hold less than the window: the fork is below our
-        // first block, which is where scanning started.
-        let fork_height = fork.or_else(|| lowest.checked_sub(1));
-        let reason = format!(
-            "reorg: the node's chain leaves ours above height {}",
-            fork_height.map_or("-1".to_owned(), |h| h.to_string())
-        );
-        let orphaned = match sql::orphan_above(
-            &mut self.pool.get().await?,
-            chain,
-            lease,
-            fork_height,
-            &tip_hash,
-            &reason,
-        )
-        .await?
-        {
-            Orphaned::Blocks(n) => n,
-            Orphaned::TipMoved => {
-                tracing::warn!(%chain, "our tip moved during the walk-back; comparing again");
-                return Ok(());
-            }
-        };
-        report.reorgs += 1;
-        report.orphaned += orphaned;
-        record_reorg(chain, orphaned);
-        tracing::warn!(%chain, mismatch_height, fork_height = ?fork_height, orphaned,
-            "reorg: orphan-marked {orphaned} blocks above the fork point; re-scanning from there");
-        Ok(())
-    }
-}
-
-fn record_reorg(chain: Chain, depth: u64) {
-    metrics::counter!("custodian_reorgs_total", "chain" => chain.as_str()).increment(1);
-    metrics::gauge!("custodian_reorg_last_depth_blocks", "chain" => chain.as_str()).set(depth as f64);
 }
 
 /// The transfers in `blocks` that are deposits: to a watched address, in the native asset or a

@@ -1,5 +1,5 @@
 //! The queries the scanner owns: cursor, our canonical chain, the watched set, and the ingest of a
-//! batch. Each function documents which transaction it expects to run in.
+//! batch (the reorg queries live in `reorg.rs`). Each function documents which transaction it expects to run in.
 
 use std::collections::{HashMap, HashSet};
 
@@ -86,11 +86,11 @@ pub enum IngestError {
     },
 }
 
-fn height_i64(height: u64) -> i64 {
+pub(crate) fn height_i64(height: u64) -> i64 {
     i64::try_from(height).expect("BUG: block height beyond i64")
 }
 
-fn height_u64(height: i64) -> u64 {
+pub(crate) fn height_u64(height: i64) -> u64 {
     u64::try_from(height).expect("BUG: negative height in the database (a check constraint forbids it)")
 }
 
@@ -130,22 +130,6 @@ pub async fn our_tip<C: GenericClient>(
     Ok(row.map(|r| (height_u64(r.get(0)), r.get(1))))
 }
 
-/// Our canonical blocks from the tip down, at most `limit` of them.
-pub async fn canonical_desc<C: GenericClient>(
-    client: &C,
-    chain: Chain,
-    limit: u64,
-) -> Result<Vec<(u64, String)>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            "select height, block_hash from chain_block where chain = $1 and orphaned_at is null
-             order by height desc limit $2",
-            &[&chain.as_str(), &height_i64(limit)],
-        )
-        .await?;
-    Ok(rows.iter().map(|r| (height_u64(r.get(0)), r.get(1))).collect())
-}
-
 /// Every address ever assigned on `chain` (attribution to accounts happens later, by height), and
 /// the BTC hot wallets' change addresses, which belong to no account: their outputs are our own
 /// coins coming back, observed so they can be spent and reconciled, never credited.
@@ -170,33 +154,7 @@ pub async fn registered_tokens<C: GenericClient>(client: &C) -> Result<HashMap<S
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-const LOCK_CURSOR: &str = "select next_height from scan_cursor where chain = $1 for update";
-
-/// Orphans canonical blocks at or above the first height where the batch brings a different
-/// block, by appending an `orphaned` verdict to each (the verdict trigger moves `orphaned_at`).
-/// Only reached after the parent check passed, so the batch extends our chain below it.
-const ORPHAN_REPLACED: &str = "
-insert into block_verdict (chain, block_hash, seq, verdict, reason)
-select c.chain, c.block_hash,
-       coalesce((select max(v.seq) from block_verdict v where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
-       'orphaned', $4
-  from chain_block c
- where c.chain = $1 and c.orphaned_at is null
-   and c.height >= (select min(n.height)
-                      from unnest($2::bigint[], $3::text[]) as n(height, block_hash)
-                      join chain_block o on o.chain = $1 and o.height = n.height
-                                        and o.orphaned_at is null and o.block_hash <> n.block_hash)";
-
-/// Blocks of the batch we orphaned earlier are on the node's chain again: a `reinstated` verdict
-/// each. Runs after [`ORPHAN_REPLACED`] has orphaned their rivals, so one block per height stays
-/// canonical.
-const REINSTATE: &str = "
-insert into block_verdict (chain, block_hash, seq, verdict, reason)
-select c.chain, c.block_hash,
-       coalesce((select max(v.seq) from block_verdict v where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
-       'reinstated', $3
-  from chain_block c
- where c.chain = $1 and c.block_hash = any($2::text[]) and c.orphaned_at is not null";
+pub(crate) const LOCK_CURSOR: &str = "select next_height from scan_cursor where chain = $1 for update";
 
 const INSERT_BLOCKS: &str = "
 insert into chain_block (chain, height, block_hash, parent_hash)
@@ -285,7 +243,7 @@ pub async fn insert_spends<C: GenericClient>(
     client.execute(INSERT_SPENDS, &columns.params(&name)).await
 }
 
-const ADVANCE_CURSOR: &str = "update scan_cursor set next_height = $2, updated_at = now() where chain = $1";
+pub(crate) const ADVANCE_CURSOR: &str = "update scan_cursor set next_height = $2, updated_at = now() where chain = $1";
 
 /// Deletes retained payloads of blocks below `$2`: the only deletion in the system.
 const PRUNE_RAW: &str = "
@@ -327,8 +285,8 @@ pub async fn ingest_batch(
     let (open, orphan, reinstate, insert_blocks, insert_raw, insert_deposits, insert_spends, advance, prune) =
         futures::try_join!(
             client.prepare_cached(OPEN_BATCH),
-            client.prepare_cached(ORPHAN_REPLACED),
-            client.prepare_cached(REINSTATE),
+            client.prepare_cached(crate::reorg::ORPHAN_REPLACED),
+            client.prepare_cached(crate::reorg::REINSTATE),
             client.prepare_cached(INSERT_BLOCKS),
             client.prepare_cached(INSERT_RAW),
             client.prepare_cached(INSERT_DEPOSITS),
@@ -394,68 +352,6 @@ pub async fn ingest_batch(
         blocks_inserted: affected[2],
         deposits_inserted: affected[4],
     })
-}
-
-/// What a walk-back's orphaning did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Orphaned {
-    /// This many blocks were orphaned and the cursor moved to just above the fork.
-    Blocks(u64),
-    /// Our tip changed since the walk-back read it (another writer): nothing was written.
-    TipMoved,
-}
-
-/// Orphans every canonical block above `fork_height` (an `orphaned` verdict each) and moves the
-/// cursor to `fork_height + 1`, in one transaction, provided this session still holds the lease
-/// and our tip is still `expected_tip`, the one the walk-back compared with the node.
-///
-/// # Cancel safety
-/// One transaction; a cancelled call changes nothing.
-pub async fn orphan_above(
-    client: &mut deadpool_postgres::Object,
-    chain: Chain,
-    lease: LeaseId,
-    fork_height: Option<u64>,
-    expected_tip: &str,
-    reason: &str,
-) -> Result<Orphaned, IngestError> {
-    let db = |source| IngestError::Database { chain, source };
-    let name = chain.as_str();
-    let tx = client.transaction().await.map_err(db)?;
-    tx.query_opt(LOCK_CURSOR, &[&name]).await.map_err(db)?;
-    let (class, object) = lease.key();
-    let leased: bool = tx
-        .query_one(
-            "select exists (select 1 from pg_locks l
-                             where l.locktype = 'advisory' and l.classid = $1::int::oid and l.objid = $2::int::oid
-                               and l.objsubid = 2 and l.pid = $3 and l.granted)",
-            &[&class, &object, &lease.pid],
-        )
-        .await
-        .map_err(db)?
-        .get(0);
-    if !leased {
-        return Err(IngestError::LeaseLost { chain });
-    }
-    if our_tip(&tx, chain).await.map_err(db)?.map(|(_, hash)| hash).as_deref() != Some(expected_tip) {
-        return Ok(Orphaned::TipMoved);
-    }
-    let above = fork_height.map_or(-1, height_i64);
-    let orphaned = tx
-        .execute(
-            "insert into block_verdict (chain, block_hash, seq, verdict, reason)
-             select c.chain, c.block_hash,
-                    coalesce((select max(v.seq) from block_verdict v
-                               where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,
-                    'orphaned', $3
-               from chain_block c where c.chain = $1 and c.orphaned_at is null and c.height > $2",
-            &[&name, &above, &reason],
-        )
-        .await
-        .map_err(db)?;
-    tx.execute(ADVANCE_CURSOR, &[&name, &(above + 1)]).await.map_err(db)?;
-    tx.commit().await.map_err(db)?;
-    Ok(Orphaned::Blocks(orphaned))
 }
 
 /// Identifies a held scanner lease: the chain and the backend holding the session lock.
