@@ -11,6 +11,7 @@
 //! (receipts against intents, the cursor check); the pure parts live in [`crate::payout`].
 
 mod allocation;
+mod nonce_allocator;
 pub(crate) use allocation::{review_tampered, verified_request};
 mod broadcast;
 mod replacement;
@@ -33,7 +34,7 @@ use crate::signer::{Signer, SignerError};
 use crate::sql::{self, StoreError};
 
 pub use crate::payout::{payout_call, TRANSFER_GAS};
-pub use allocation::Pricing;
+pub use nonce_allocator::Pricing;
 
 /// How the worker paces and prices its work.
 #[derive(Debug, Clone)]
