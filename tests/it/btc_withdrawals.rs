@@ -177,7 +177,7 @@ impl Payouts {
         let sim = BitcoinSim::start().await;
         let db = TestDb::new().await;
         let deposit = sim.address(AddrKind::P2wpkh, 900);
-        let alice_id = crate::ledger::new_account(&db, "alice", &deposit, 0).await;
+        let alice_id = crate::ledger_support::new_account(&db, "alice", &deposit, 0).await;
         let mut keys = HashMap::new();
         let mut funding = Vec::new();
         for lane in 0..lanes {
@@ -494,7 +494,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch() {
     let p = Payouts::new(1, 3, 1_000_000, 50_000_000).await;
-    let before = crate::ledger::available(&p.db, p.alice).await;
+    let before = crate::ledger_support::available(&p.db, p.alice).await;
     let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
     // Before signing: released at once.
     let early = p.request("early", &p.sim.address(AddrKind::P2wpkh, 1), 200_000).await.unwrap().withdrawal;
@@ -517,7 +517,7 @@ async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch()
     let to = p.sim.address(AddrKind::P2wpkh, 2).script_pubkey();
     assert!(txs.values().all(|tx| tx.output.iter().all(|o| o.script_pubkey != to)), "nothing paid");
     let fee: u64 = p.value("select fee::text from btc_attempt where kind = 'cancel'").await.parse().unwrap();
-    assert_eq!(crate::ledger::available(&p.db, p.alice).await, before, "the whole hold came back");
+    assert_eq!(crate::ledger_support::available(&p.db, p.alice).await, before, "the whole hold came back");
     let fees = p
         .value(
             "select coalesce(sum(amount), 0)::text from ledger_posting
@@ -629,10 +629,10 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     assert!(paid_by.to_string().contains("cannot be resolved --paid-by"), "{paid_by}");
     p.sim.mine_empty(1);
     p.scan().await;
-    let before = crate::ledger::available(&p.db, p.alice).await;
+    let before = crate::ledger_support::available(&p.db, p.alice).await;
     let resolved = resolve(2).await.unwrap();
     assert_eq!((resolved.withdrawal.state, resolved.paid), (WithdrawalState::Cancelled, false));
-    let after: u64 = crate::ledger::available(&p.db, p.alice).await.parse().unwrap();
+    let after: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
     assert_eq!(after, before.parse::<u64>().unwrap() + 200_000, "the hold came back");
     assert_eq!(p.value("select count(*)::text from utxo_reservation where released_at is null").await, "0");
     let env = btc_env(&p.db, &p.sim, None);

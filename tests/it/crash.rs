@@ -19,7 +19,7 @@ use custodian_testkit::faulty::{splitmix, Fault, FaultyRpc, Schedule};
 use custodian_withdrawals::{hot_wallet, sql, WorkerConfig};
 use serde_json::{json, Value};
 
-use crate::withdrawals::{Harness, ETHER, LANE_KEYS};
+use crate::eth_harness::{Harness, ETHER, LANE_KEYS};
 
 const REQUESTS: u64 = 40;
 const KILLS: u64 = 50;

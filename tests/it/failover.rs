@@ -218,7 +218,7 @@ async fn a_primary_failover_loses_no_acknowledged_request_and_pays_nothing_twice
             anvil
                 .rpc(
                     "eth_sendTransaction",
-                    json!([{"from": crate::withdrawals::FUNDER, "to": deposit_address, "value": value}]),
+                    json!([{"from": crate::eth_harness::FUNDER, "to": deposit_address, "value": value}]),
                 )
                 .await
                 .unwrap();

@@ -61,7 +61,7 @@ async fn finance_exports_the_ledger_and_balances_as_of_a_moment_with_its_read_on
     assert_eq!(alice_at(&as_of(requested.clone()).await, p.alice), ("49800000".into(), "200000".into()));
     let now = as_of(after.clone()).await;
     assert_eq!(alice_at(&now, p.alice), ("49800000".into(), "0".into()), "settled: the hold left custody");
-    assert_eq!(crate::ledger::available(&p.db, p.alice).await, "49800000", "as the live balance says");
+    assert_eq!(crate::ledger_support::available(&p.db, p.alice).await, "49800000", "as the live balance says");
 
     // The postings between two moments, as CSV and as JSON.
     let expected: i64 =

@@ -9,7 +9,7 @@ use custodian_testkit::TestDb;
 use serde_json::Value;
 
 use crate::harness::{custodian, custodian_env_async};
-use crate::ledger::new_account;
+use crate::ledger_support::new_account;
 
 /// `replay --verify --json` must fail (exit 3) and name `check` with a detail containing `needle`.
 fn names(db: &TestDb, check: &str, needle: &str) -> Vec<Value> {
@@ -133,8 +133,8 @@ async fn an_edited_row_feeding_account_balance_is_named() {
 }
 
 /// One ETH withdrawal requested, signed, mined and confirmed with its real fee, then sealed.
-async fn settled_withdrawal() -> (crate::withdrawals::Harness, i64) {
-    let h = crate::withdrawals::Harness::start(&[]).await;
+async fn settled_withdrawal() -> (crate::eth_harness::Harness, i64) {
+    let h = crate::eth_harness::Harness::start(&[]).await;
     let alice = h.funded_account("alice", 1_000_000_000_000_000_000).await;
     let w =
         h.request(alice, "pay-1", "0x90f79bf6eb2c4f870365e785982e1f101e93b906", 1_000_000_000_000_000).await.unwrap();

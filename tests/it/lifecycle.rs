@@ -9,7 +9,7 @@ use custodian_testkit::TestDb;
 use serde_json::Value;
 
 use crate::harness::{custodian, custodian_env, custodian_env_async, Run};
-use crate::ledger::{available, new_account};
+use crate::ledger_support::{available, new_account};
 
 /// The environment of a BTC command against `sim`.
 pub(crate) fn btc_env(db: &TestDb, sim: &BitcoinSim, token: Option<&str>) -> Vec<(String, String)> {

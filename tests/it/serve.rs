@@ -9,8 +9,8 @@ use custodian_testkit::{eventually, Anvil, TestDb};
 use futures::StreamExt;
 use serde_json::json;
 
+use crate::eth_harness::Harness;
 use crate::harness::custodian;
-use crate::withdrawals::Harness;
 
 /// anvil's dev keys 1 and 2 (lanes a and b in the harness).
 pub(crate) const LANE_KEYS: [&str; 2] = [

@@ -12,7 +12,7 @@ use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use proptest::prelude::*;
 
-use crate::ledger::{new_account, scan_and_post};
+use crate::support::{new_account, scan_and_post};
 
 #[derive(Debug, Clone)]
 enum Op {
