@@ -7,6 +7,7 @@ pub mod address;
 pub mod amount;
 pub mod asset;
 pub mod chain;
+pub mod decision;
 pub mod external_id;
 pub mod hash;
 pub mod hd;
@@ -19,6 +20,7 @@ pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddres
 pub use amount::{Amount, AmountError, ParseAmountError, SignedAmount};
 pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};
+pub use decision::Decision;
 pub use external_id::{ExternalId, ExternalIdError};
 pub use hash::{BlockHash, HashError, TxHash};
 pub use ledger_account::LedgerAccount;

@@ -9,7 +9,7 @@
 //! by the pass, and deciding it is refused.
 
 use alloy_primitives::U256;
-use custodian_domain::{Amount, LedgerAccount};
+use custodian_domain::{Amount, Decision, LedgerAccount};
 use custodian_store::ledger::{self, Transfer};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
@@ -35,8 +35,8 @@ pub struct Proposal {
     pub reason: String,
     /// When.
     pub proposed_at: String,
-    /// `approved`, `rejected`, `closed` (re-mined first), or none yet.
-    pub decision: Option<String>,
+    /// Approved, rejected, closed (re-mined first), or none yet.
+    pub decision: Option<Decision>,
     /// Who decided.
     pub decided_by: Option<String>,
     /// Their reason.
@@ -59,7 +59,7 @@ pub enum DecisionError {
         /// Proposal.
         id: i64,
         /// The earlier decision.
-        decision: String,
+        decision: Decision,
         /// Who made it.
         by: String,
     },
@@ -96,7 +96,9 @@ fn proposal(r: &tokio_postgres::Row) -> Proposal {
         amount: Amount::from_units(r.get::<_, U256>(6)),
         reason: r.get(7),
         proposed_at: r.get(8),
-        decision: r.get(9),
+        decision: r
+            .get::<_, Option<&str>>(9)
+            .map(|d| d.parse().expect("BUG: reversal_decision.decision is checked by the table")),
         decided_by: r.get(10),
         decision_reason: r.get(11),
         compensating_transfer_id: r.get(12),
@@ -141,14 +143,14 @@ pub async fn decide(
         return Err(DecisionError::Unknown(id));
     }
     let current = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);
-    let wanted = if approve { "approved" } else { "rejected" };
+    let wanted = Decision::of_review(approve);
     if let Some(decision) = &current.decision {
-        if decision == wanted {
+        if *decision == wanted {
             return Ok((current, false));
         }
         return Err(DecisionError::AlreadyDecided {
             id,
-            decision: decision.clone(),
+            decision: *decision,
             by: current.decided_by.unwrap_or_default(),
         });
     }
@@ -171,7 +173,7 @@ pub async fn decide(
     let debited: LedgerAccount = debited.parse().expect("BUG: a proposal names a ledger account");
     let reference = serde_json::json!({
         "proposal_id": id, "deposit_key": current.deposit_key, "round": current.round,
-        "decision": wanted, "decided_by": by,
+        "decision": wanted.as_str(), "decided_by": by,
     });
     let transfer =
         Transfer::moving(key, kind, reference, (debited, LedgerAccount::Custody), &current.asset, current.amount)
@@ -188,7 +190,7 @@ pub async fn decide(
     tx.execute(
         "insert into reversal_decision (proposal_id, decision, decided_by, reason, compensating_transfer_id)
          values ($1, $2, $3, $4, $5)",
-        &[&id, &wanted, &by, &reason, &compensating],
+        &[&id, &wanted.as_str(), &by, &reason, &compensating],
     )
     .await?;
     let decided = proposal(&tx.query_one(LIST, &[&Some(id)]).await?);

@@ -1,6 +1,7 @@
 //! `custodian policy`, `post`, `reversals`, `balances`.
 
 use anyhow::{Context, Result};
+use custodian_domain::Decision;
 use custodian_domain::{Amount, Chain};
 use custodian_projections::reversals::DecisionError;
 use custodian_projections::{balances, policy, posting, reversals};
@@ -109,11 +110,11 @@ pub async fn decide(settings: &Settings, id: i64, approve: bool, reason: Option<
     if settings.json {
         super::print_json(&json!({ "proposal": proposal, "recorded_now": recorded }))?;
     } else if recorded {
-        println!("proposal #{id} {} by {by}", proposal.decision.as_deref().unwrap_or("decided"));
+        println!("proposal #{id} {} by {by}", proposal.decision.map_or("decided", Decision::as_str));
     } else {
         println!(
             "proposal #{id} was already {} by {}; nothing changed",
-            proposal.decision.unwrap_or_default(),
+            proposal.decision.map_or("decided", Decision::as_str),
             proposal.decided_by.unwrap_or_default()
         );
     }
