@@ -72,8 +72,8 @@ pub fn signed_display(units: &str, decimals: u8) -> String {
 
 const BALANCES: &str = "
 with ledger as (
-    -- every asset the account has a balance row for, with what it may spend of it
-    select b.asset, available($1, b.asset) as net from user_balance b where b.ledger_account = 'user:' || $1::bigint
+    -- every asset the account has a `user_balance` row for: the row is what `available` reads (V34)
+    select b.asset, b.balance as net from user_balance b where b.ledger_account = 'user:' || $1::bigint
 ), held as (
     select w.asset, sum(w.amount) as held from withdrawal w
      where w.account_id = $1 and w.state in ('requested', 'awaiting_approval', 'signed', 'broadcast', 'mined',

@@ -159,18 +159,16 @@ pub async fn decide(
     }
     // Debiting a customer takes their account lock, as a withdrawal request does: a request
     // cannot spend, between its balance check and its commit, what this decision takes back.
-    if approve {
-        if let Ok(LedgerAccount::User(account)) = current.ledger_account.parse::<LedgerAccount>() {
-            tx.query_opt("select 1 from account where id = $1 for update", &[&account]).await?;
-        }
+    let credited: LedgerAccount = current.ledger_account.parse().expect("BUG: a proposal names a ledger account");
+    if let (true, LedgerAccount::User(account)) = (approve, credited) {
+        tx.query_opt("select 1 from account where id = $1 for update", &[&account]).await?;
     }
     // Approve: the credited account gives the money back. Reject: the operator absorbs the loss.
     let (key, kind, debited) = if approve {
-        (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", current.ledger_account.clone())
+        (format!("{}:reversal:{}", current.deposit_key, current.round), "reversal", credited)
     } else {
-        (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", LedgerAccount::Treasury.to_string())
+        (format!("{}:loss:{}", current.deposit_key, current.round), "deposit_loss", LedgerAccount::Treasury)
     };
-    let debited: LedgerAccount = debited.parse().expect("BUG: a proposal names a ledger account");
     let reference = serde_json::json!({
         "proposal_id": id, "deposit_key": current.deposit_key, "round": current.round,
         "decision": wanted.as_str(), "decided_by": by,

@@ -63,14 +63,14 @@ impl Service {
         Service { pool, stopped, tasks: JoinSet::new(), broken: Broken::default(), scanners: Vec::new() }
     }
 
-    /// Runs `part`; its failure is recorded for `/healthz` before it is returned (a scanner's is
-    /// not: its own state says it stopped, and why).
-    fn spawn<F, E>(&mut self, part: String, run: F)
+    /// Runs `part`; when `to_health`, its failure is recorded for `/healthz` before it is
+    /// returned (a scanner's is not: its own state says it stopped, and why).
+    fn spawn<F, E>(&mut self, part: String, to_health: bool, run: F)
     where
         F: std::future::Future<Output = Result<(), E>> + Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let broken = (!part.ends_with("scanner")).then(|| self.broken.clone());
+        let broken = to_health.then(|| self.broken.clone());
         self.tasks.spawn(async move {
             run.await.map_err(|e| {
                 let failed = PartFailed::new(part, e);
@@ -92,21 +92,23 @@ impl Service {
             .with_after_step(Arc::new(posting::PostAfterStep(self.pool.clone())))
             .with_state(state);
         let stopped = self.stopped.clone();
-        self.spawn(format!("the {chain} scanner"), async move { scanner.run(&NoProgress, stopped).await.map(|_| ()) });
+        self.spawn(format!("the {chain} scanner"), false, async move {
+            scanner.run(&NoProgress, stopped).await.map(|_| ())
+        });
         self
     }
 
     /// The ETH withdrawal worker, a pass every `interval`.
     pub fn eth_worker(&mut self, worker: Worker, interval: Duration) -> &mut Self {
         let stopped = self.stopped.clone();
-        self.spawn("the withdrawal worker".to_owned(), async move { worker.run(interval, stopped).await });
+        self.spawn("the withdrawal worker".to_owned(), true, async move { worker.run(interval, stopped).await });
         self
     }
 
     /// The BTC withdrawal worker, a pass every `interval`.
     pub fn btc_worker(&mut self, worker: BtcWorker, interval: Duration) -> &mut Self {
         let stopped = self.stopped.clone();
-        self.spawn("the BTC withdrawal worker".to_owned(), async move { worker.run(interval, stopped).await });
+        self.spawn("the BTC withdrawal worker".to_owned(), true, async move { worker.run(interval, stopped).await });
         self
     }
 
@@ -114,12 +116,12 @@ impl Service {
     /// wallets' balance gauges against `thresholds` ([`gauges::hot_wallets`]).
     pub fn gauges(&mut self, eth: Option<custodian_withdrawals::EthNode>, thresholds: gauges::Thresholds) -> &mut Self {
         let (pool, stopped) = (self.pool.clone(), self.stopped.clone());
-        self.spawn("the gauges".to_owned(), async move {
+        self.spawn("the gauges".to_owned(), true, async move {
             gauges::projections(pool, stopped).await;
             Ok::<(), PartFailed>(())
         });
         let (pool, stopped) = (self.pool.clone(), self.stopped.clone());
-        self.spawn("the hot-wallet gauges".to_owned(), async move {
+        self.spawn("the hot-wallet gauges".to_owned(), true, async move {
             gauges::hot_wallets(pool, eth, thresholds, stopped).await;
             Ok::<(), PartFailed>(())
         });
@@ -129,7 +131,7 @@ impl Service {
     /// The ledger reconciled with the chain every [`reconcile::INTERVAL`] ([`reconcile::periodically`]).
     pub fn reconciliation(&mut self, eth: Option<custodian_withdrawals::EthNode>) -> &mut Self {
         let (pool, stopped) = (self.pool.clone(), self.stopped.clone());
-        self.spawn("reconciliation".to_owned(), async move {
+        self.spawn("reconciliation".to_owned(), true, async move {
             reconcile::periodically(eth, pool, stopped).await;
             Ok::<(), PartFailed>(())
         });
@@ -139,7 +141,7 @@ impl Service {
     /// Webhook delivery.
     pub fn webhooks(&mut self, deliverer: custodian_api::webhooks::Deliverer) -> &mut Self {
         let stopped = self.stopped.clone();
-        self.spawn("webhook delivery".to_owned(), async move { deliverer.run(stopped).await });
+        self.spawn("webhook delivery".to_owned(), true, async move { deliverer.run(stopped).await });
         self
     }
 
@@ -155,7 +157,7 @@ impl Service {
         let shutdown = async move {
             let _ = stopped.wait_for(|stop| *stop).await;
         };
-        self.spawn("the gRPC API".to_owned(), custodian_api::serve(listener, api_pool, config, shutdown));
+        self.spawn("the gRPC API".to_owned(), true, custodian_api::serve(listener, api_pool, config, shutdown));
         self
     }
 
@@ -171,6 +173,7 @@ impl Service {
         let (pool, stopped) = (self.pool.clone(), self.stopped.clone());
         self.spawn(
             "/metrics and /healthz".to_owned(),
+            true,
             health::serve(listener, pool, Arc::new(recorder), Arc::new(parts), stopped),
         );
         self

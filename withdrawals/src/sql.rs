@@ -6,7 +6,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{posting_rules, Amount, Nonce};
+use custodian_domain::{posting_rules, Nonce};
 use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -168,16 +168,6 @@ pub async fn load_many<C: GenericClient>(
     Ok(ids.iter().map(|id| streams.get(id).and_then(|events| Withdrawal::fold(*id, events))).collect())
 }
 
-pub use custodian_domain::posting_rules::{fee_asset, Movement};
-
-/// The ledger transfer `movement` makes for `w` (`fee` for [`Movement::Fee`]), by the posting
-/// rules (`custodian_domain::posting_rules`); `None` when it moves nothing.
-pub fn transfer(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<ledger::Transfer> {
-    let b = posting_rules::booking(w, movement, fee)?;
-    let reference = serde_json::json!({ "withdrawal_id": w.id });
-    ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset, b.amount)
-}
-
 /// Posts what `event`, just appended to `w`'s stream, entails ([`posting_rules::entailed`]);
 /// a transfer posted before is not posted again.
 async fn post_entailed(
@@ -189,9 +179,17 @@ async fn post_entailed(
     Ok(())
 }
 
-/// The ledger transfers `event` of `w`'s stream entails ([`posting_rules::entailed`]).
+/// The ledger transfers `event` of `w`'s stream entails, booked by the posting rules
+/// ([`posting_rules::entailed`], [`posting_rules::booking`]).
 pub(crate) fn entailed(w: &Withdrawal, event: &WithdrawalEvent) -> Vec<ledger::Transfer> {
-    posting_rules::entailed(event).into_iter().filter_map(|(m, fee)| transfer(w, m, fee)).collect()
+    posting_rules::entailed(event)
+        .into_iter()
+        .filter_map(|(movement, fee)| posting_rules::booking(w, movement, fee))
+        .filter_map(|b| {
+            let reference = serde_json::json!({ "withdrawal_id": w.id });
+            ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset, b.amount)
+        })
+        .collect()
 }
 
 /// What an attempt was signed to do (DESIGN §7 item 11).
