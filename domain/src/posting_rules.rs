@@ -74,15 +74,15 @@ pub struct Booking {
 /// What `movement` books for `w` (`fee` for [`Movement::Fee`]); `None` when it moves nothing.
 pub fn booking(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<Booking> {
     use LedgerAccount::{Custody, NetworkFees, WithdrawalHolds};
-    let payer = LedgerAccount::payer(w.account_id, w.treasury);
+    let payer = LedgerAccount::payer(w.account_id(), w.treasury());
     let (kind, suffix, debit, credit, asset, amount) = match movement {
-        Movement::Hold => ("withdrawal_hold", "hold", payer, WithdrawalHolds, w.asset.as_str(), w.amount),
-        Movement::Release => ("withdrawal_release", "release", WithdrawalHolds, payer, w.asset.as_str(), w.amount),
-        Movement::Settle => ("withdrawal_settle", "settle", WithdrawalHolds, Custody, w.asset.as_str(), w.amount),
-        Movement::Fee => ("network_fee", "fee", NetworkFees, Custody, fee_asset(&w.asset), fee),
+        Movement::Hold => ("withdrawal_hold", "hold", payer, WithdrawalHolds, w.asset(), w.amount()),
+        Movement::Release => ("withdrawal_release", "release", WithdrawalHolds, payer, w.asset(), w.amount()),
+        Movement::Settle => ("withdrawal_settle", "settle", WithdrawalHolds, Custody, w.asset(), w.amount()),
+        Movement::Fee => ("network_fee", "fee", NetworkFees, Custody, fee_asset(w.asset()), fee),
     };
     (!amount.is_zero()).then(|| Booking {
-        key: format!("withdrawal:{}:{suffix}", w.id),
+        key: format!("withdrawal:{}:{suffix}", w.id()),
         kind,
         debit,
         credit,

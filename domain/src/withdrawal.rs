@@ -354,58 +354,178 @@ impl std::str::FromStr for AttemptKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Withdrawal {
     /// Id.
-    pub id: i64,
+    id: i64,
     /// Account paying.
-    pub account_id: i64,
+    account_id: i64,
     /// Client idempotency key.
-    pub external_id: String,
+    external_id: String,
     /// Asset key.
-    pub asset: String,
+    asset: String,
     /// Destination.
-    pub destination: String,
+    destination: String,
     /// Smallest units.
-    pub amount: Amount,
+    amount: Amount,
     /// Current state.
-    pub state: WithdrawalState,
+    state: WithdrawalState,
     /// Lane.
-    pub lane: String,
+    lane: String,
     /// Hot wallet, once signed.
-    pub from_address: Option<String>,
+    from_address: Option<String>,
     /// Nonce, once signed.
-    pub nonce: Option<Nonce>,
+    nonce: Option<Nonce>,
     /// The attempt that matters now: the latest signed, or the one mined.
-    pub tx_hash: Option<String>,
+    tx_hash: Option<String>,
     /// Block of the mined attempt.
-    pub mined_block_hash: Option<String>,
+    mined_block_hash: Option<String>,
     /// Last sequence number applied.
-    pub last_seq: i32,
+    last_seq: i32,
     /// State before a cancel was requested.
-    pub state_before_cancel: Option<WithdrawalState>,
+    state_before_cancel: Option<WithdrawalState>,
     /// Chain head when the live attempt was first accepted by the node (or signed, for a bump or
     /// an event recorded before acceptance was kept): bumps count blocks from here.
-    pub attempt_at_block: Option<u64>,
+    attempt_at_block: Option<u64>,
     /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
     /// or, after its block was reorged out, the one that had been mined.
-    pub live_attempt: Option<String>,
+    live_attempt: Option<String>,
     /// The live attempt cannot be bumped within the fee cap (an alert was raised).
-    pub stuck_at_cap: bool,
+    stuck_at_cap: bool,
     /// Height of the block of the mined attempt.
-    pub mined_block_number: Option<u64>,
+    mined_block_number: Option<u64>,
     /// Its hold was settled or released once (confirmed, failed on chain, cancelled, rejected,
     /// resolved): a later `needs_review` (its payment reorged out past the confirmation depth)
     /// holds nothing.
-    pub settled: bool,
+    settled: bool,
     /// Internal (rebalancing): held from and released to `treasury`, not a customer.
-    pub treasury: bool,
+    treasury: bool,
     /// The principal who requested it (empty for streams older than principals).
-    pub requested_by: String,
+    requested_by: String,
     /// Distinct approvers it needs while awaiting approval.
-    pub approvals_required: u32,
+    approvals_required: u32,
     /// Distinct principals who approved it, in order.
-    pub approvers: Vec<String>,
+    approvers: Vec<String>,
 }
 
 impl Withdrawal {
+    // What the fold has made of the stream; nothing else sets these.
+    /// Id.
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// Account paying.
+    pub fn account_id(&self) -> i64 {
+        self.account_id
+    }
+
+    /// Client idempotency key.
+    pub fn external_id(&self) -> &str {
+        &self.external_id
+    }
+
+    /// Asset key.
+    pub fn asset(&self) -> &str {
+        &self.asset
+    }
+
+    /// Destination.
+    pub fn destination(&self) -> &str {
+        &self.destination
+    }
+
+    /// Smallest units.
+    pub fn amount(&self) -> Amount {
+        self.amount
+    }
+
+    /// Current state.
+    pub fn state(&self) -> WithdrawalState {
+        self.state
+    }
+
+    /// Lane.
+    pub fn lane(&self) -> &str {
+        &self.lane
+    }
+
+    /// Hot wallet, once signed.
+    pub fn from_address(&self) -> Option<&str> {
+        self.from_address.as_deref()
+    }
+
+    /// Nonce, once signed.
+    pub fn nonce(&self) -> Option<Nonce> {
+        self.nonce
+    }
+
+    /// The attempt that matters now: the latest signed, or the one mined.
+    pub fn tx_hash(&self) -> Option<&str> {
+        self.tx_hash.as_deref()
+    }
+
+    /// Block of the mined attempt.
+    pub fn mined_block_hash(&self) -> Option<&str> {
+        self.mined_block_hash.as_deref()
+    }
+
+    /// Last sequence number applied.
+    pub fn last_seq(&self) -> i32 {
+        self.last_seq
+    }
+
+    /// State before a cancel was requested.
+    pub fn state_before_cancel(&self) -> Option<WithdrawalState> {
+        self.state_before_cancel
+    }
+
+    /// Chain head when the live attempt was first accepted by the node (or signed, for a bump or
+    /// an event recorded before acceptance was kept): bumps count blocks from here.
+    pub fn attempt_at_block(&self) -> Option<u64> {
+        self.attempt_at_block
+    }
+
+    /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
+    /// or, after its block was reorged out, the one that had been mined.
+    pub fn live_attempt(&self) -> Option<&str> {
+        self.live_attempt.as_deref()
+    }
+
+    /// The live attempt cannot be bumped within the fee cap (an alert was raised).
+    pub fn stuck_at_cap(&self) -> bool {
+        self.stuck_at_cap
+    }
+
+    /// Height of the block of the mined attempt.
+    pub fn mined_block_number(&self) -> Option<u64> {
+        self.mined_block_number
+    }
+
+    /// Its hold was settled or released once (confirmed, failed on chain, cancelled, rejected,
+    /// resolved): a later `needs_review` (its payment reorged out past the confirmation depth)
+    /// holds nothing.
+    pub fn settled(&self) -> bool {
+        self.settled
+    }
+
+    /// Internal (rebalancing): held from and released to `treasury`, not a customer.
+    pub fn treasury(&self) -> bool {
+        self.treasury
+    }
+
+    /// The principal who requested it (empty for streams older than principals).
+    pub fn requested_by(&self) -> &str {
+        &self.requested_by
+    }
+
+    /// Distinct approvers it needs while awaiting approval.
+    pub fn approvals_required(&self) -> u32 {
+        self.approvals_required
+    }
+
+    /// Distinct principals who approved it, in order.
+    pub fn approvers(&self) -> &[String] {
+        &self.approvers
+    }
+
     /// Whether its hold is still held: a state that holds funds and no settlement or release
     /// before (a confirmed withdrawal sent back to review by a deep reorg holds nothing).
     pub fn holds_funds(&self) -> bool {

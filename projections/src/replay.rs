@@ -409,24 +409,24 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         }
     }
     let column = |f: fn(&Withdrawal) -> Option<String>| rebuilt.iter().map(f).collect::<Vec<_>>();
-    let ids: Vec<i64> = rebuilt.iter().map(|w| w.id).collect();
-    let seqs: Vec<i32> = rebuilt.iter().map(|w| w.last_seq).collect();
-    let nonces: Vec<Option<i64>> = rebuilt.iter().map(|w| w.nonce.map(Nonce::stored)).collect();
-    let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id).collect();
-    let stuck: Vec<bool> = rebuilt.iter().map(|w| w.stuck_at_cap).collect();
+    let ids: Vec<i64> = rebuilt.iter().map(|w| w.id()).collect();
+    let seqs: Vec<i32> = rebuilt.iter().map(|w| w.last_seq()).collect();
+    let nonces: Vec<Option<i64>> = rebuilt.iter().map(|w| w.nonce().map(Nonce::stored)).collect();
+    let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id()).collect();
+    let stuck: Vec<bool> = rebuilt.iter().map(|w| w.stuck_at_cap()).collect();
     let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
         &ids,
-        &column(|w| Some(w.state.as_str().to_owned())),
+        &column(|w| Some(w.state().as_str().to_owned())),
         &seqs,
-        &column(|w| Some(w.lane.clone())),
-        &column(|w| w.from_address.clone()),
+        &column(|w| Some(w.lane().to_owned())),
+        &column(|w| w.from_address().map(str::to_owned)),
         &nonces,
-        &column(|w| w.tx_hash.clone()),
-        &column(|w| w.mined_block_hash.clone()),
+        &column(|w| w.tx_hash().map(str::to_owned)),
+        &column(|w| w.mined_block_hash().map(str::to_owned)),
         &accounts,
-        &column(|w| Some(w.asset.clone())),
-        &column(|w| Some(w.destination.clone())),
-        &column(|w| Some(w.amount.to_string())),
+        &column(|w| Some(w.asset().to_owned())),
+        &column(|w| Some(w.destination().to_owned())),
+        &column(|w| Some(w.amount().to_string())),
         &stuck,
     ];
     for row in tx.query(WITHDRAWAL_DIFF, &rebuilt_params).await? {
@@ -437,10 +437,10 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     }
     // What the rebuilt withdrawals hold: those still in flight.
     // Customers' only: the treasury's rebalances are not a customer's held balance.
-    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds() && !w.treasury).collect();
-    let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id).collect();
-    let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset.clone()).collect();
-    let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount.to_string()).collect();
+    let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds() && !w.treasury()).collect();
+    let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id()).collect();
+    let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset().to_owned()).collect();
+    let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount().to_string()).collect();
 
     // Balances and the balance of every transfer: fold every posting, a transfer at a time.
     let mut balances: BTreeMap<(String, String), (U256, U256)> = BTreeMap::new();

@@ -337,13 +337,14 @@ mod story {
         let first = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25", app).await?;
         say(format!(
             "  alice asks for 1.25 ETH (external id alice-0001): withdrawal {} {}",
-            first.withdrawal.id,
-            first.withdrawal.state.as_str()
+            first.withdrawal.id(),
+            first.withdrawal.state().as_str()
         ));
         let retried = withdraw(&pool, id("alice"), "alice-0001", &outside, "1.25", app).await?;
         say(format!(
             "  her client retries the same request: withdrawal {} again (created now: {})",
-            retried.withdrawal.id, retried.created
+            retried.withdrawal.id(),
+            retried.created
         ));
         match withdraw(&pool, id("bob"), "bob-0001", &outside, "10", app).await {
             Err(e) => say(format!("  bob asks for 10 ETH: refused, nothing written: {e}")),
@@ -352,24 +353,25 @@ mod story {
         let big = withdraw(&pool, id("alice"), "alice-0002", &outside, "3.5", app).await?;
         say(format!(
             "  alice asks for 3.5 ETH through {app}: withdrawal {} {}",
-            big.withdrawal.id,
-            big.withdrawal.state.as_str()
+            big.withdrawal.id(),
+            big.withdrawal.state().as_str()
         ));
-        match actions::approve(&mut pool.get().await?, big.withdrawal.id, app).await {
+        match actions::approve(&mut pool.get().await?, big.withdrawal.id(), app).await {
             Err(refusal @ actions::ActionError::SelfApproval { .. }) => {
                 say(format!("  {app} (which holds the approve scope) tries to approve it: refused: {refusal}"))
             }
             other => bail!("a self-approval must be refused, got {other:?}"),
         }
-        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["dana"]).await?;
-        say(format!("  dana approves it: still {} (one of two)", approved.state.as_str()));
-        let (again, recorded) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["dana"]).await?;
-        say(format!("  dana approves again: counts once (recorded: {recorded}), still {}", again.state.as_str()));
-        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id, &principal["erin"]).await?;
+        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["dana"]).await?;
+        say(format!("  dana approves it: still {} (one of two)", approved.state().as_str()));
+        let (again, recorded) =
+            actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["dana"]).await?;
+        say(format!("  dana approves again: counts once (recorded: {recorded}), still {}", again.state().as_str()));
+        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["erin"]).await?;
         say(format!(
             "  erin approves it: {} (approved by {})",
-            approved.state.as_str(),
-            approved.approvers.join(" and ")
+            approved.state().as_str(),
+            approved.approvers().join(" and ")
         ));
         table(&pool, &accounts).await?;
 
@@ -379,7 +381,7 @@ mod story {
             signers,
             WorkerConfig { confirmations: 2, chain_id: Some(DEMO_CHAIN_ID), ..WorkerConfig::default() },
         );
-        let ids = [first.withdrawal.id, big.withdrawal.id];
+        let ids = [first.withdrawal.id(), big.withdrawal.id()];
         let mut told: HashMap<i64, usize> = HashMap::new();
         for _ in 0..30 {
             worker.pass().await?;
@@ -413,7 +415,7 @@ mod story {
                     say(format!("  withdrawal {id} {}: {detail}", event.event_type()));
                 }
                 told.insert(id, events.len());
-                all_confirmed &= sql::load(&client, id).await?.is_some_and(|w| w.state == WithdrawalState::Confirmed);
+                all_confirmed &= sql::load(&client, id).await?.is_some_and(|w| w.state() == WithdrawalState::Confirmed);
             }
             if all_confirmed {
                 break;
@@ -531,8 +533,8 @@ mod story {
                 requested_by: "alice-app".into(),
             };
             let w = request::request(&pool, &r).await?.withdrawal;
-            say(format!("  alice asks for 0.01 BTC to {to} (withdrawal {})", w.id));
-            batch.push(w.id);
+            say(format!("  alice asks for 0.01 BTC to {to} (withdrawal {})", w.id()));
+            batch.push(w.id());
         }
         let rpc = custodian_store::btc_rpc::BtcRpc::new(&sim.url(), auth.clone())?;
         let config = BtcConfig {
@@ -546,7 +548,8 @@ mod story {
         let btc_worker = BtcWorker::new(pool.clone(), BtcNode::new(rpc), keys, config);
         btc_worker.pass().await?;
         let client = pool.get().await?;
-        let original = sql::load(&client, batch[0]).await?.and_then(|w| w.tx_hash).unwrap_or_default();
+        let original =
+            sql::load(&client, batch[0]).await?.and_then(|w| w.tx_hash().map(str::to_owned)).unwrap_or_default();
         let row = client.query_one("select fee::text, vsize from btc_attempt where tx_hash = $1", &[&original]).await?;
         say(format!(
             "  one pass: coins reserved, one transaction signed (BIP-143) paying all three plus change, stored, sent: {original} ({} vB, fee {} sat)",
@@ -557,7 +560,8 @@ mod story {
         sim.mine_empty(1);
         scan_and_post(&pool, btc_reader()?).await?;
         btc_worker.pass().await?;
-        let bumped = sql::load(&client, batch[0]).await?.and_then(|w| w.live_attempt).unwrap_or_default();
+        let bumped =
+            sql::load(&client, batch[0]).await?.and_then(|w| w.live_attempt().map(str::to_owned)).unwrap_or_default();
         let row = client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&bumped]).await?;
         say(format!(
             "  the fee market rises to 25 sat/vB and a block passes without it: replaced (BIP-125) by {bumped}, fee {} sat from change; the customers' outputs unchanged",
@@ -568,7 +572,7 @@ mod story {
         btc_worker.pass().await?;
         for id in &batch {
             let w = sql::load(&client, *id).await?.context("a demo withdrawal")?;
-            say(format!("  withdrawal {id}: {} by {}", w.state.as_str(), w.tx_hash.unwrap_or_default()));
+            say(format!("  withdrawal {id}: {} by {}", w.state().as_str(), w.tx_hash().unwrap_or_default()));
         }
         table(&pool, &accounts).await?;
 

@@ -204,10 +204,10 @@ pub async fn rebalance(
     } else {
         println!(
             "rebalance {} ({}): {} of {asset} from lane {from} to lane {to} ({}), {}",
-            outcome.withdrawal.id,
-            outcome.withdrawal.external_id,
+            outcome.withdrawal.id(),
+            outcome.withdrawal.external_id(),
             amount.to_decimal_string(decimals),
-            outcome.withdrawal.destination,
+            outcome.withdrawal.destination(),
             if outcome.created { "requested" } else { "already requested" }
         );
     }
@@ -368,12 +368,12 @@ pub async fn request(
     } else {
         println!(
             "withdrawal {} {} ({} {} to {} on lane {}){}",
-            w.id,
-            w.state.as_str(),
-            w.amount.to_decimal_string(decimals),
+            w.id(),
+            w.state().as_str(),
+            w.amount().to_decimal_string(decimals),
             r.asset,
-            w.destination,
-            w.lane,
+            w.destination(),
+            w.lane(),
             if outcome.created { "" } else { " — returned the earlier request with this external id" }
         );
     }
@@ -388,13 +388,13 @@ pub async fn approve(settings: &Settings, id: i64) -> Result<Exit> {
     if settings.json {
         super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
     } else {
-        let waiting = usize::try_from(w.approvals_required).unwrap_or(usize::MAX).saturating_sub(w.approvers.len());
-        let outcome = match (recorded, w.state) {
+        let waiting = usize::try_from(w.approvals_required()).unwrap_or(usize::MAX).saturating_sub(w.approvers().len());
+        let outcome = match (recorded, w.state()) {
             (false, _) => format!("was already approved by {by}; nothing changed"),
             (true, custodian_domain::withdrawal::WithdrawalState::AwaitingApproval) => {
                 format!("approved by {by}; waiting for {waiting} more approver(s)")
             }
-            (true, _) => format!("approved by {by}; it proceeds ({})", w.approvers.join(", ")),
+            (true, _) => format!("approved by {by}; it proceeds ({})", w.approvers().join(", ")),
         };
         println!("withdrawal {id} {outcome}");
     }
@@ -457,7 +457,7 @@ pub async fn cancel(settings: &Settings, id: i64) -> Result<Exit> {
     if settings.json {
         super::print_json(&json!({ "withdrawal": w, "recorded_now": recorded }))?;
     } else {
-        println!("withdrawal {id} is {}", w.state.as_str());
+        println!("withdrawal {id} is {}", w.state().as_str());
     }
     Ok(Exit::Success)
 }
@@ -482,7 +482,7 @@ pub async fn list(
             listing::page(&client, &filter).await?
         }
     };
-    let last = listed.last().map(|l| l.withdrawal.id);
+    let last = listed.last().map(|l| l.withdrawal.id());
     let out: Vec<serde_json::Value> =
         listed.iter().map(|l| json!({ "withdrawal": l.withdrawal, "attempts": l.attempts })).collect();
     if id.is_some() && out.is_empty() {

@@ -180,8 +180,8 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
                 let first = request(&h, alice, i, amount).await;
                 let again = request(&h, alice, i, amount).await;
                 assert!(first.created && !again.created, "the second send is the same request");
-                assert_eq!(first.withdrawal.id, again.withdrawal.id);
-                ids.push((first.withdrawal.id, destination(i), amount));
+                assert_eq!(first.withdrawal.id(), again.withdrawal.id());
+                ids.push((first.withdrawal.id(), destination(i), amount));
                 tokio::time::sleep(Duration::from_millis(100 + rng.below(300))).await;
                 if i % 7 == 3 {
                     let (id, _, _) = ids[ids.len() - 1 - rng.below(ids.len().min(3) as u64) as usize];
@@ -315,7 +315,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
     for (id, to, amount) in &ids {
         let w = sql::load(&client, *id).await.unwrap().unwrap();
         let payments = paid.remove(to).unwrap_or_default();
-        match w.state {
+        match w.state() {
             WithdrawalState::Confirmed => {
                 confirmed += 1;
                 assert_eq!(payments, vec![U256::from(*amount)], "seed {seed}: withdrawal {id} paid exactly once");

@@ -45,7 +45,7 @@ async fn finance_exports_the_ledger_and_balances_as_of_a_moment_with_its_read_on
         confirmations: 1,
         ..custodian_withdrawals::btc::BtcConfig::default()
     });
-    p.settle(&[&worker], &[w.id], 4).await;
+    p.settle(&[&worker], &[w.id()], 4).await;
     let after = moment(&p).await;
 
     // Balances as of each moment, from the postings.
@@ -85,9 +85,11 @@ async fn finance_exports_the_ledger_and_balances_as_of_a_moment_with_its_read_on
     );
     assert_eq!(lines.len() as i64 - 1, expected, "{}", csv.stdout);
     assert!(lines.iter().all(|l| l.split(',').count() == 9), "{}", csv.stdout);
-    assert!(csv
-        .stdout
-        .contains(&format!("withdrawal:{}:hold,withdrawal_hold,user:{},BTC,debit,200000", w.id, p.alice)));
+    assert!(csv.stdout.contains(&format!(
+        "withdrawal:{}:hold,withdrawal_hold,user:{},BTC,debit,200000",
+        w.id(),
+        p.alice
+    )));
     let json = run(reader.clone(), &["export", "ledger", "--from", &before, "--to", &after, "--format", "json"]).await;
     assert_eq!(json.code, 0, "{}", json.stderr);
     let rows = json.json();

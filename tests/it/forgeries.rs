@@ -139,7 +139,7 @@ async fn settled_withdrawal() -> (crate::eth_harness::Harness, i64) {
     let w =
         h.request(alice, "pay-1", "0x90f79bf6eb2c4f870365e785982e1f101e93b906", 1_000_000_000_000_000).await.unwrap();
     let worker = h.worker(custodian_withdrawals::WorkerConfig { confirmations: 1, ..Default::default() });
-    let id = w.withdrawal.id;
+    let id = w.withdrawal.id();
     h.work_until(&worker, true, "confirmation", |h| {
         Box::pin(async move { h.state(id).await == WithdrawalState::Confirmed })
     })

@@ -62,13 +62,13 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
         };
         key.sign(tx).unwrap()
     };
-    let paid = outside(w1.nonce.unwrap().get(), &w1.destination, U256::from(ETHER));
-    let other = outside(w2.nonce.unwrap().get(), FUNDER, U256::from(1u8));
+    let paid = outside(w1.nonce().unwrap().get(), w1.destination(), U256::from(ETHER));
+    let other = outside(w2.nonce().unwrap().get(), FUNDER, U256::from(1u8));
     for signed in [&paid, &other] {
         h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
     }
     let funder_tx = h
-        .rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": w1.destination, "value": format!("{:#x}", ETHER)}]))
+        .rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": w1.destination(), "value": format!("{:#x}", ETHER)}]))
         .await;
     h.mine(1).await;
     let first = worker.pass().await.unwrap();
@@ -80,35 +80,35 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     let funder_tx = funder_tx.as_str().unwrap().to_owned();
 
     let cli = operator_cli(&h).await;
-    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {funder_tx}", w1.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {funder_tx}", w1.id()))).await;
     assert_eq!(refused.code, 2, "a transaction that is not ours: {}", refused.stderr);
     assert!(refused.stderr.contains("not by the hot wallet"), "{}", refused.stderr);
-    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w1.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w1.id()))).await;
     assert_eq!(refused.code, 2, "ours, at another nonce: {}", refused.stderr);
     assert!(refused.stderr.contains("used nonce"), "{}", refused.stderr);
-    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w2.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {other}", w2.id()))).await;
     assert_eq!(refused.code, 2, "ours, at its nonce, paying someone else: {}", refused.stderr);
-    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w1.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w1.id()))).await;
     assert_eq!(refused.code, 2, "the transaction that consumed w1's nonce paid it: {}", refused.stderr);
     assert!(refused.stderr.contains(&format!("--paid-by {paid}")), "{}", refused.stderr);
-    assert_eq!(h.state(w1.id).await, WithdrawalState::NeedsReview, "{}", refused.stderr);
+    assert_eq!(h.state(w1.id()).await, WithdrawalState::NeedsReview, "{}", refused.stderr);
     assert_eq!(
         h.count("select count(*) from withdrawal_event where event_type = 'resolved'").await,
         0,
         "nothing written"
     );
 
-    let shallow = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --confirmations 50", w1.id))).await;
+    let shallow = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --confirmations 50", w1.id()))).await;
     assert_eq!(shallow.code, 2, "evidence not yet buried: {}", shallow.stderr);
     assert!(shallow.stderr.contains("of the 50 confirmations"), "{}", shallow.stderr);
-    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --json", w1.id))).await;
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --json", w1.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
     assert_eq!(resolved.json()["paid"], true);
-    assert_eq!(h.state(w1.id).await, WithdrawalState::Confirmed);
-    let resolved = cli(args(&format!("withdrawals resolve --id {} --not-paid --json", w2.id))).await;
+    assert_eq!(h.state(w1.id()).await, WithdrawalState::Confirmed);
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --not-paid --json", w2.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
-    assert_eq!(h.state(w2.id).await, WithdrawalState::Cancelled);
-    let again = cli(args(&format!("withdrawals resolve --id {} --not-paid", w2.id))).await;
+    assert_eq!(h.state(w2.id()).await, WithdrawalState::Cancelled);
+    let again = cli(args(&format!("withdrawals resolve --id {} --not-paid", w2.id()))).await;
     assert_eq!(again.code, 2, "resolved once: {}", again.stderr);
     assert_eq!(h.available(alice).await, (99 * ETHER).to_string(), "w1 paid, w2's hold released");
     assert_eq!(
@@ -128,8 +128,8 @@ async fn a_retired_lane_takes_no_new_withdrawals_and_finishes_what_it_holds() {
     let held = loop {
         n += 1;
         let w = h.request(alice, &format!("ret-{n}"), &destination(200 + n), ETHER).await.unwrap().withdrawal;
-        if w.lane == "a" {
-            break w.id;
+        if w.lane() == "a" {
+            break w.id();
         }
     };
     let cli = operator_cli(&h).await;
@@ -140,7 +140,7 @@ async fn a_retired_lane_takes_no_new_withdrawals_and_finishes_what_it_holds() {
     assert!(last.stderr.contains("last lane open"), "{}", last.stderr);
     for i in 0..8 {
         let w = h.request(alice, &format!("after-{i}"), &destination(300 + i), ETHER).await.unwrap().withdrawal;
-        assert_eq!(w.lane, "b", "new withdrawals skip the retired lane");
+        assert_eq!(w.lane(), "b", "new withdrawals skip the retired lane");
     }
     let listed = cli(args("hot-wallet list --json")).await;
     assert_eq!(listed.json()[0]["retired"], true);
@@ -157,10 +157,10 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     let w = h.request(alice, "deep-1", &destination(60), ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(2));
     worker.pass().await.unwrap();
-    work_until_state(&h, &worker, true, w.id, WithdrawalState::Confirmed).await;
-    let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id).await.unwrap().unwrap();
-    let hash = confirmed.tx_hash.clone().unwrap();
-    let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id)
+    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
+    let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    let hash = confirmed.tx_hash().unwrap().to_owned();
+    let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id())
         .await
         .unwrap()
         .into_iter()
@@ -173,7 +173,7 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.mine(1).await;
     let head = h.rpc("eth_blockNumber", json!([])).await;
     let head = u64::from_str_radix(head.as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
-    let depth = head - confirmed.mined_block_number.unwrap() + 1;
+    let depth = head - confirmed.mined_block_number().unwrap() + 1;
     assert!(depth > 2, "confirmed at depth {depth}");
     h.rpc("anvil_reorg", json!([depth, []])).await;
     let _ = h.anvil.rpc("anvil_dropTransaction", json!([hash])).await;
@@ -184,8 +184,8 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.mine(1).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.needs_review, 1, "{report:?}");
-    assert_eq!(report.paused_lanes, vec![w.lane.clone()]);
-    assert_eq!(h.state(w.id).await, WithdrawalState::NeedsReview);
+    assert_eq!(report.paused_lanes, vec![w.lane()]);
+    assert_eq!(h.state(w.id()).await, WithdrawalState::NeedsReview);
     // Its hold was settled: it holds nothing, and the books still verify.
     let held: String =
         h.db.pool
@@ -203,23 +203,23 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.verify().await;
 
     let cli = operator_cli(&h).await;
-    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w.id()))).await;
     assert_eq!(refused.code, 2, "{}", refused.stderr);
-    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash}", w.id))).await;
+    let refused = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash}", w.id()))).await;
     assert_eq!(refused.code, 2, "not on chain: {}", refused.stderr);
     assert!(refused.stderr.contains("does not know transaction"), "{}", refused.stderr);
     // The way out: the operator sends the same bytes again (nothing is signed), they mine.
     let _ = raw;
-    let sent = cli(args(&format!("withdrawals rebroadcast --id {} --json", w.id))).await;
+    let sent = cli(args(&format!("withdrawals rebroadcast --id {} --json", w.id()))).await;
     assert_eq!(sent.code, 0, "{}", sent.stderr);
     assert_eq!(sent.json()["tx_hash"], hash.as_str());
-    let again = cli(args(&format!("withdrawals rebroadcast --id {}", w.id))).await;
+    let again = cli(args(&format!("withdrawals rebroadcast --id {}", w.id()))).await;
     assert_eq!(again.code, 0, "already known is sent: {}", again.stderr);
-    assert_eq!(h.count(&format!("select count(*) from withdrawal_attempt where withdrawal_id = {}", w.id)).await, 1);
+    assert_eq!(h.count(&format!("select count(*) from withdrawal_attempt where withdrawal_id = {}", w.id())).await, 1);
     h.mine(1).await;
-    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash} --json", w.id))).await;
+    let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash} --json", w.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
-    assert_eq!(h.state(w.id).await, WithdrawalState::Confirmed);
+    assert_eq!(h.state(w.id()).await, WithdrawalState::Confirmed);
     assert_eq!(
         h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await,
         1,
@@ -329,7 +329,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     let worker = h.worker(config(1));
     work_until_state(&h, &worker, false, rebalance, WithdrawalState::Confirmed).await;
     let payout = h.request(alice, "out-1", &destination(70), ETHER).await.unwrap().withdrawal;
-    work_until_state(&h, &worker, false, payout.id, WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, false, payout.id(), WithdrawalState::Confirmed).await;
     scan_and_post().await;
 
     let mut chain = U256::ZERO;

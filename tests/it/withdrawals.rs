@@ -23,7 +23,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     while by_lane.len() < 2 {
         n += 1;
         let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane.clone()).or_insert(w.id);
+        by_lane.entry(w.lane().to_owned()).or_insert(w.id());
     }
     let worker = h.worker(config(1));
     worker.pass().await.unwrap();
@@ -34,7 +34,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     let thief = h.signers["a"].clone();
     let outside = alloy::consensus::TxEip1559 {
         chain_id: 31337,
-        nonce: ours.nonce.unwrap().get(),
+        nonce: ours.nonce().unwrap().get(),
         gas_limit: 21_000,
         max_fee_per_gas: 1_000_000_000_000,
         max_priority_fee_per_gas: 500_000_000_000,
@@ -74,7 +74,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     let resynced = cli(&["hot-wallet", "resync", "--lane", "a", "--json"]).await;
     assert_eq!(resynced.code, 0, "{}", resynced.stderr);
     assert_eq!(resynced.json()["chain_nonce"], chain_nonce);
-    assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce.unwrap().next().get()));
+    assert_eq!(resynced.json()["next_nonce"], chain_nonce.max(ours.nonce().unwrap().next().get()));
     assert_eq!(
         h.count("select count(*) from operator_action where action = 'lane_resynced' and principal = 'operator'").await,
         1
@@ -85,7 +85,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     while next.is_none() {
         n += 1;
         let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
-        next = (w.lane == "a").then_some(w.id);
+        next = (w.lane() == "a").then_some(w.id());
     }
     let next = next.unwrap();
     h.work_until(&worker, true, "the resumed lane to pay", |h| {
@@ -319,12 +319,12 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     let set = custodian_as(&url, &ops, &["withdrawals", "limit", "--asset", "ETH", "--daily", "1", "--approvals", "1"]);
     assert_eq!(set.code, 0, "{}", set.stderr);
     let first = h.request(alice, "d-1", &destination(52), 6 * ETHER / 10).await.unwrap().withdrawal;
-    assert_eq!(first.state, WithdrawalState::Requested, "0.6 of a 1 ETH day");
+    assert_eq!(first.state(), WithdrawalState::Requested, "0.6 of a 1 ETH day");
     let second = h.request(alice, "d-2", &destination(52), 3 * ETHER / 10).await.unwrap().withdrawal;
-    assert_eq!(second.state, WithdrawalState::Requested, "0.9 of a 1 ETH day");
+    assert_eq!(second.state(), WithdrawalState::Requested, "0.9 of a 1 ETH day");
     let third = h.request(alice, "d-3", &destination(52), 2 * ETHER / 10).await.unwrap().withdrawal;
-    assert_eq!(third.state, WithdrawalState::AwaitingApproval, "1.1 would pass the daily total");
-    let events = sql::events(&h.db.pool.get().await.unwrap(), third.id).await.unwrap();
+    assert_eq!(third.state(), WithdrawalState::AwaitingApproval, "1.1 would pass the daily total");
+    let events = sql::events(&h.db.pool.get().await.unwrap(), third.id()).await.unwrap();
     assert!(
         events.iter().any(|e| matches!(e, custodian_domain::withdrawal::WithdrawalEvent::AwaitingApproval { reason, .. } if reason == "daily_limit")),
         "{events:?}"
@@ -332,11 +332,11 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     // another account has a day of its own
     let bob = h.funded_account("bob", ETHER).await;
     assert_eq!(
-        h.request(bob, "b-1", &destination(53), ETHER / 2).await.unwrap().withdrawal.state,
+        h.request(bob, "b-1", &destination(53), ETHER / 2).await.unwrap().withdrawal.state(),
         WithdrawalState::Requested
     );
     // cancelled withdrawals do not count towards the day
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id, "wallet-app").await.unwrap();
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id(), "wallet-app").await.unwrap();
     let by: String =
         h.db.pool
             .get()
@@ -344,12 +344,12 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
             .unwrap()
             .query_one(
                 "select payload ->> 'by' from withdrawal_event where withdrawal_id = $1 and event_type = 'cancelled'",
-                &[&first.id],
+                &[&first.id()],
             )
             .await
             .unwrap()
             .get(0);
     assert_eq!(by, "wallet-app", "a cancel before signing records who cancelled");
     let fourth = h.request(alice, "d-4", &destination(52), 5 * ETHER / 10).await.unwrap().withdrawal;
-    assert_eq!(fourth.state, WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
+    assert_eq!(fourth.state(), WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
 }

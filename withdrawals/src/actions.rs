@@ -101,20 +101,20 @@ pub async fn approve(
     }
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.requested_by == by {
+    if w.requested_by() == by {
         return Err(ActionError::SelfApproval { id, by: by.to_owned() });
     }
-    if w.approvers.iter().any(|approver| approver == by) {
+    if w.approvers().iter().any(|approver| approver == by) {
         return Ok((w, false));
     }
-    if w.state != WithdrawalState::AwaitingApproval {
+    if w.state() != WithdrawalState::AwaitingApproval {
         let approved_before = sql::events(&tx, id).await?.iter().any(|e| matches!(e, WithdrawalEvent::Approved { .. }));
         if approved_before {
             return Ok((w, false));
         }
         return Err(ActionError::WrongState {
             id,
-            state: w.state.as_str(),
+            state: w.state().as_str(),
             message: "only a withdrawal awaiting approval can be approved",
         });
     }
@@ -136,7 +136,7 @@ pub async fn cancel(
 ) -> Result<(Withdrawal, bool), ActionError> {
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
-    match w.state {
+    match w.state() {
         WithdrawalState::Requested | WithdrawalState::AwaitingApproval => {
             let cancelled = WithdrawalEvent::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some(by.to_owned()) };
             sql::append(&tx, &mut w, cancelled).await?;
@@ -155,7 +155,7 @@ pub async fn cancel(
             if batch > 1 {
                 return Err(ActionError::WrongState {
                     id,
-                    state: w.state.as_str(),
+                    state: w.state().as_str(),
                     message: "it is paid by one transaction together with other withdrawals (a batch); cancelling it \
                               would replace that transaction and cancel them too, so the batch stands",
                 });
@@ -211,7 +211,7 @@ pub async fn resolve(
     let (w, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
     let node_error = |e: crate::rpc::NodeError| ActionError::Node(e.to_string());
-    let (Some(from), Some(nonce)) = (w.from_address.clone(), w.nonce) else {
+    let (Some(from), Some(nonce)) = (w.from_address().map(str::to_owned), w.nonce()) else {
         // Never signed (a row found tampered with before allocation): nothing on chain can have
         // paid it, so not paid is the only outcome, and it releases the hold.
         if *resolution != Resolution::NotPaid {
@@ -253,10 +253,12 @@ pub async fn resolve(
             }
             buried(node, &receipt, confirmations, hash).await.map_err(|e| e.for_withdrawal(id))?;
             let paid = paid_by(&w, hot, &tx, &receipt);
-            if paid != w.amount.units() {
+            if paid != w.amount().units() {
                 return Err(refuse(format!(
                     "transaction {hash} pays {} {paid} units of {}, the withdrawal asks for {}",
-                    w.destination, w.asset, w.amount
+                    w.destination(),
+                    w.asset(),
+                    w.amount()
                 )));
             }
             let fee = Amount::from_units(receipt.fee);
@@ -268,7 +270,7 @@ pub async fn resolve(
                 by: by.to_owned(),
             }
         }
-        Resolution::NotPaid if w.settled => {
+        Resolution::NotPaid if w.settled() => {
             return Err(refuse(
                 "its hold was settled as paid before its block was reorged out: resolve it with --paid-by once its \
                  transaction is mined again"
@@ -293,7 +295,7 @@ pub async fn resolve(
             let receipt = node.receipt(consumer.hash).await.map_err(node_error)?;
             let receipt = receipt.ok_or_else(|| refuse(format!("transaction {consumer_hash} has no receipt yet")))?;
             buried(node, &receipt, confirmations, &consumer_hash).await.map_err(|e| e.for_withdrawal(id))?;
-            if receipt.success && paid_by(&w, hot, &consumer, &receipt) == w.amount.units() {
+            if receipt.success && paid_by(&w, hot, &consumer, &receipt) == w.amount().units() {
                 return Err(refuse(format!(
                     "transaction {consumer_hash} consumed nonce {nonce} and pays the destination what the withdrawal \
                      asks: resolve it with --paid-by {consumer_hash}"
@@ -397,10 +399,10 @@ async fn under_review<'a>(
         return Err(ActionError::Anonymous);
     }
     let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state != WithdrawalState::NeedsReview {
+    if w.state() != WithdrawalState::NeedsReview {
         return Err(ActionError::WrongState {
             id,
-            state: w.state.as_str(),
+            state: w.state().as_str(),
             message: "only a withdrawal that needs review can be resolved",
         });
     }
@@ -419,8 +421,8 @@ async fn record_resolution(
 ) -> Result<Resolved, ActionError> {
     let tx = client.transaction().await?;
     let mut w = sql::lock(&tx, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state != WithdrawalState::NeedsReview {
-        return Err(ActionError::WrongState { id, state: w.state.as_str(), message: "it was resolved meanwhile" });
+    if w.state() != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState { id, state: w.state().as_str(), message: "it was resolved meanwhile" });
     }
     let (paid, fee) = match &event {
         WithdrawalEvent::Resolved { paid, fee, .. } => (*paid, *fee),
@@ -454,8 +456,8 @@ fn paid_by(
     receipt: &crate::rpc::Receipt,
 ) -> alloy_primitives::U256 {
     let destination: alloy_primitives::Address =
-        w.destination.parse().expect("BUG: stored destination is not an address");
-    match token_of(&w.asset) {
+        w.destination().parse().expect("BUG: stored destination is not an address");
+    match token_of(w.asset()) {
         None if tx.to == Some(destination) => tx.value,
         None => alloy_primitives::U256::ZERO,
         Some(token) => token_paid(&receipt.logs, token, hot, destination),
@@ -498,16 +500,16 @@ impl ActionError {
 /// ("already known" counts as sent).
 pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<String, ActionError> {
     let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state != WithdrawalState::NeedsReview {
+    if w.state() != WithdrawalState::NeedsReview {
         return Err(ActionError::WrongState {
             id,
-            state: w.state.as_str(),
+            state: w.state().as_str(),
             message: "only a withdrawal in review is sent by hand (the worker keeps the others alive)",
         });
     }
     let hash = w
-        .tx_hash
-        .clone()
+        .tx_hash()
+        .map(str::to_owned)
         .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
     let attempt = sql::attempts(client, id).await?.into_iter().find(|a| a.tx_hash == hash).ok_or_else(|| {
         ActionError::Evidence { id, reason: format!("its transaction {hash} is not one of its attempts") }

@@ -50,15 +50,15 @@ pub fn token_of(asset: &str) -> Option<Address> {
 /// What the payout of `w` calls: ether straight to the destination, or the token's
 /// `transfer(destination, amount)`.
 pub fn payout_call(w: &Withdrawal) -> Call {
-    let destination: Address = w.destination.parse().expect("BUG: stored destination is not an address");
-    match token_of(&w.asset) {
-        None => Call { to: destination, value: w.amount.units(), data: Bytes::new() },
+    let destination: Address = w.destination().parse().expect("BUG: stored destination is not an address");
+    match token_of(w.asset()) {
+        None => Call { to: destination, value: w.amount().units(), data: Bytes::new() },
         Some(contract) => {
             let mut data = Vec::with_capacity(68);
             data.extend_from_slice(&TRANSFER_SELECTOR);
             data.extend_from_slice(&[0u8; 12]);
             data.extend_from_slice(destination.as_slice());
-            data.extend_from_slice(&w.amount.units().to_be_bytes::<32>());
+            data.extend_from_slice(&w.amount().units().to_be_bytes::<32>());
             Call { to: contract, value: U256::ZERO, data: Bytes::from(data) }
         }
     }

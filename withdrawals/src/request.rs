@@ -205,13 +205,13 @@ pub fn lane_index(id: i64, lanes: usize) -> usize {
 
 fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     let mut fields = Vec::new();
-    if existing.asset != request.asset {
+    if existing.asset() != request.asset {
         fields.push("asset");
     }
-    if existing.destination != request.destination.stored() {
+    if existing.destination() != request.destination.stored() {
         fields.push("destination");
     }
-    if existing.amount != request.amount {
+    if existing.amount() != request.amount {
         fields.push("amount");
     }
     fields
@@ -238,7 +238,7 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
     if fields.is_empty() {
         Ok(Requested { withdrawal, created: false })
     } else {
-        Err(RequestError::Conflict { external_id: request.external_id.clone(), existing: withdrawal.id, fields })
+        Err(RequestError::Conflict { external_id: request.external_id.clone(), existing: withdrawal.id(), fields })
     }
 }
 
@@ -529,6 +529,8 @@ struct Composed {
     projected: sql::ProjectionParams,
     held: ledger::Columns,
     amount: U256,
+    /// The request check's parameters: account, external id, asset.
+    checked: (i64, String, String),
 }
 
 impl Composed {
@@ -572,7 +574,7 @@ impl Composed {
         if let Some(event) = &awaiting {
             withdrawal.apply(event);
         }
-        debug_assert!(matches!(withdrawal.state, WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
+        debug_assert!(matches!(withdrawal.state(), WithdrawalState::Requested | WithdrawalState::AwaitingApproval));
         Ok(Composed {
             id,
             first_payload: requested.payload(),
@@ -580,6 +582,7 @@ impl Composed {
             projected: sql::projection_params(&withdrawal),
             held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
             amount: request.amount.units(),
+            checked: (withdrawal.account_id(), withdrawal.external_id().to_owned(), withdrawal.asset().to_owned()),
             withdrawal,
         })
     }
@@ -587,10 +590,10 @@ impl Composed {
     /// Its statements in order: the checks under the account lock when `checked` (the one-trip
     /// path), the events, the projection (its state after them) and the hold.
     fn statements<'a>(&'a self, s: &'a Statements, checked: bool) -> Vec<(&'a tokio_postgres::Statement, Vec<P<'a>>)> {
-        let w = &self.withdrawal;
+        let (account_id, external_id, asset) = &self.checked;
         let mut out: Vec<(&tokio_postgres::Statement, Vec<P<'a>>)> = Vec::with_capacity(5);
         if checked {
-            out.push((&s.check, vec![&w.account_id, &w.external_id, &w.asset, &self.amount]));
+            out.push((&s.check, vec![account_id, external_id, asset, &self.amount]));
         }
         out.push((&s.insert_event, vec![&self.id, &1i32, &"requested", &self.first_payload]));
         if let Some(payload) = &self.awaiting_payload {
@@ -765,7 +768,7 @@ async fn batch(
     }
     // One order of locks for every batch: by ledger account as text, the order in which the
     // balance trigger and the deposit posting pass touch `user_balance` rows too.
-    together.sort_by_cached_key(|(_, c)| (LedgerAccount::User(c.withdrawal.account_id).to_string(), c.id));
+    together.sort_by_cached_key(|(_, c)| (LedgerAccount::User(c.withdrawal.account_id()).to_string(), c.id));
     if together.len() < 2 {
         return Ok(outcomes); // one is cheaper on its own path
     }
@@ -835,19 +838,19 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     if let Some(row) = found {
         let withdrawal = sql::load(&tx, row.get(0)).await?.expect("BUG: projection row without events");
         let mut fields = Vec::new();
-        if withdrawal.asset != r.asset {
+        if withdrawal.asset() != r.asset {
             fields.push("asset");
         }
-        if withdrawal.destination != to.address || withdrawal.lane != from.lane {
+        if withdrawal.destination() != to.address || withdrawal.lane() != from.lane {
             fields.push("lanes");
         }
-        if withdrawal.amount != r.amount {
+        if withdrawal.amount() != r.amount {
             fields.push("amount");
         }
         if fields.is_empty() {
             return Ok(Requested { withdrawal, created: false });
         }
-        return Err(RequestError::Conflict { external_id: r.external_id.clone(), existing: withdrawal.id, fields });
+        return Err(RequestError::Conflict { external_id: r.external_id.clone(), existing: withdrawal.id(), fields });
     }
     if let Some(reason) = &from.pause_reason {
         return Err(RequestError::LanePaused { lane: from.lane.clone(), reason: reason.clone() });
@@ -872,6 +875,6 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     )
     .await?;
     tx.commit().await?;
-    metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state.as_str()).increment(1);
+    metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state().as_str()).increment(1);
     Ok(Requested { withdrawal, created: true })
 }

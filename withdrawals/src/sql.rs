@@ -31,7 +31,7 @@ pub fn event_from_row(event_type: &str, payload: &serde_json::Value) -> Withdraw
 /// and posts the transfers the event entails by the posting rules: a stream and its ledger
 /// movements are written together or not at all.
 pub async fn append(tx: &Transaction<'_>, w: &mut Withdrawal, event: WithdrawalEvent) -> Result<(), StoreError> {
-    append_withdrawal_event(tx, w.id, w.last_seq, event.event_type(), &event.payload()).await?;
+    append_withdrawal_event(tx, w.id(), w.last_seq(), event.event_type(), &event.payload()).await?;
     w.apply(&event);
     write_projection(tx, w).await?;
     post_entailed(tx, w, &event).await?;
@@ -101,21 +101,21 @@ impl ProjectionParams {
 /// The projection row of `w`, a fold of its stream.
 pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
     ProjectionParams {
-        id: w.id,
-        account_id: w.account_id,
-        external_id: w.external_id.clone(),
-        asset: w.asset.clone(),
-        destination: w.destination.clone(),
-        amount: w.amount.units(),
-        state: w.state.as_str(),
-        lane: w.lane.clone(),
-        from_address: w.from_address.clone(),
-        nonce: w.nonce.map(Nonce::stored),
-        tx_hash: w.tx_hash.clone(),
-        mined_block_hash: w.mined_block_hash.clone(),
-        last_seq: w.last_seq,
-        requested_by: w.requested_by.clone(),
-        stuck_at_cap: w.stuck_at_cap,
+        id: w.id(),
+        account_id: w.account_id(),
+        external_id: w.external_id().to_owned(),
+        asset: w.asset().to_owned(),
+        destination: w.destination().to_owned(),
+        amount: w.amount().units(),
+        state: w.state().as_str(),
+        lane: w.lane().to_owned(),
+        from_address: w.from_address().map(str::to_owned),
+        nonce: w.nonce().map(Nonce::stored),
+        tx_hash: w.tx_hash().map(str::to_owned),
+        mined_block_hash: w.mined_block_hash().map(str::to_owned),
+        last_seq: w.last_seq(),
+        requested_by: w.requested_by().to_owned(),
+        stuck_at_cap: w.stuck_at_cap(),
     }
 }
 
@@ -186,7 +186,7 @@ pub(crate) fn entailed(w: &Withdrawal, event: &WithdrawalEvent) -> Vec<ledger::T
         .into_iter()
         .filter_map(|(movement, fee)| posting_rules::booking(w, movement, fee))
         .filter_map(|b| {
-            let reference = serde_json::json!({ "withdrawal_id": w.id });
+            let reference = serde_json::json!({ "withdrawal_id": w.id() });
             ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset, b.amount)
         })
         .collect()
@@ -318,7 +318,7 @@ pub async fn insert_attempt(
          values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         &[
             &a.hash,
-            &w.id,
+            &w.id(),
             &a.from,
             &a.nonce.stored(),
             &a.kind.as_str(),

@@ -230,7 +230,7 @@ async fn read_coins(
 fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> Option<(usize, tx::Selection)> {
     (1..=ready.len()).rev().find_map(|take| {
         let payouts: Vec<(usize, u64)> =
-            ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount.units()))).collect();
+            ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount().units()))).collect();
         tx::select(coins, &payouts, rate, CHANGE_DUST).map(|selection| (take, selection))
     })
 }
@@ -398,9 +398,11 @@ impl BtcWorker {
         let mut tampered = Vec::new();
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()) {
             match verified_request(row, 4) {
-                Ok(w) => match BtcAddress::parse(&w.destination, self.config.network) {
+                Ok(w) => match BtcAddress::parse(w.destination(), self.config.network) {
                     Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
-                    Err(e) => tampered.push((w.id, format!("its destination cannot be paid: {e}; nothing was signed"))),
+                    Err(e) => {
+                        tampered.push((w.id(), format!("its destination cannot be paid: {e}; nothing was signed")))
+                    }
                 },
                 Err((id, reason)) => tampered.push((id, reason)),
             }
@@ -425,7 +427,7 @@ impl BtcWorker {
             chosen = choose(&coins, &ready, rate);
         }
         let Some((take, selection)) = chosen else {
-            let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount.units())).min().unwrap_or(0);
+            let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
             let held: u64 = coins.iter().map(|c| c.amount).sum();
             let short = format!(
                 "{} spendable satoshis in {} coins do not pay even the oldest withdrawal ({needed} satoshis plus fee)",
@@ -446,7 +448,7 @@ impl BtcWorker {
         let spent: Vec<Coin> = selection.coins.iter().map(|i| coins[*i].clone()).collect();
         let spent_refs: Vec<&Coin> = spent.iter().collect();
         let mut outputs: Vec<bitcoin::TxOut> =
-            ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount.units()))).collect();
+            ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount().units()))).collect();
         let change_index = selection.change.map(|_| next_change);
         let change_address = change_index.map(|i| key.change_address(u32::try_from(i).expect("BUG: negative index")));
         if let (Some(change), Some(address)) = (selection.change, &change_address) {
@@ -459,13 +461,13 @@ impl BtcWorker {
         let txid = signed.compute_txid().to_string();
         let raw = serialize(&signed);
         let vsize = i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes");
-        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id).collect();
+        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id()).collect();
         let vouts: Vec<i32> = (0..ready.len()).map(|i| i32::try_from(i).expect("BUG: batch beyond i32")).collect();
         let weights: Vec<i32> = ready
             .iter()
             .map(|(_, script)| i32::try_from(tx::output_weight(script.len())).expect("BUG: output weight"))
             .collect();
-        let seqs: Vec<i32> = ready.iter().map(|(w, _)| w.last_seq + 1).collect();
+        let seqs: Vec<i32> = ready.iter().map(|(w, _)| w.last_seq() + 1).collect();
         let payloads: Vec<serde_json::Value> = ready
             .iter()
             .map(|_| {
@@ -659,7 +661,7 @@ impl BtcWorker {
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a reserved coin was spent outside the service");
                 metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.clone()).increment(1);
                 let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-                let still = |w: &Withdrawal| w.state != WithdrawalState::NeedsReview && w.holds_funds();
+                let still = |w: &Withdrawal| w.state() != WithdrawalState::NeedsReview && w.holds_funds();
                 report.needs_review += self.record_all(spend, still, &event).await?;
                 if sql::pause_lane_on(
                     &client,
@@ -676,42 +678,42 @@ impl BtcWorker {
             }
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let Some(found) = mine.first() else {
-                if w.state == WithdrawalState::Mined {
+                if w.state() == WithdrawalState::Mined {
                     let event = WithdrawalEvent::Unmined {
-                        tx_hash: w.tx_hash.clone().expect("BUG: mined without a hash"),
-                        block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
+                        tx_hash: w.tx_hash().expect("BUG: mined without a hash").to_owned(),
+                        block_hash: w.mined_block_hash().expect("BUG: mined without a block").to_owned(),
                     };
                     tracing::warn!(lane = %lane.lane, spend = spend.id, "a mined BTC spend left the canonical chain; its bytes go out again");
-                    report.unmined += self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event).await?;
+                    report.unmined += self.record_all(spend, |w| w.state() == WithdrawalState::Mined, &event).await?;
                 }
                 continue;
             };
             let (tx_hash, block_hash, height): (String, String, i64) = (found.get(3), found.get(4), found.get(5));
             let kind: Option<AttemptKind> = found.get::<_, Option<&str>>(6).map(sql::stored_kind);
             let height = u64::try_from(height).expect("BUG: negative height");
-            let same = w.state == WithdrawalState::Mined
-                && w.tx_hash.as_deref() == Some(tx_hash.as_str())
-                && w.mined_block_hash.as_deref() == Some(block_hash.as_str());
+            let same = w.state() == WithdrawalState::Mined
+                && w.tx_hash() == Some(tx_hash.as_str())
+                && w.mined_block_hash() == Some(block_hash.as_str());
             if !same {
-                if w.state == WithdrawalState::Mined {
+                if w.state() == WithdrawalState::Mined {
                     let event = WithdrawalEvent::Unmined {
-                        tx_hash: w.tx_hash.clone().expect("BUG: mined without a hash"),
-                        block_hash: w.mined_block_hash.clone().expect("BUG: mined without a block"),
+                        tx_hash: w.tx_hash().expect("BUG: mined without a hash").to_owned(),
+                        block_hash: w.mined_block_hash().expect("BUG: mined without a block").to_owned(),
                     };
-                    report.unmined += self.record_all(spend, |w| w.state == WithdrawalState::Mined, &event).await?;
+                    report.unmined += self.record_all(spend, |w| w.state() == WithdrawalState::Mined, &event).await?;
                 }
                 let event = WithdrawalEvent::Mined {
                     tx_hash: tx_hash.clone(),
                     block_hash: block_hash.clone(),
                     block_number: height,
                 };
-                report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state), &event).await?;
+                report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state()), &event).await?;
             }
             if tip + 1 < height + self.config.confirmations {
                 continue;
             }
             let attempt = Self::attempt(&client, &tx_hash).await?;
-            let mined = |w: &Withdrawal| w.state == WithdrawalState::Mined;
+            let mined = |w: &Withdrawal| w.state() == WithdrawalState::Mined;
             if kind == Some(AttemptKind::Cancel) {
                 let event =
                     WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash.clone()), fee: units(attempt.fee), by: None };
@@ -748,13 +750,13 @@ impl BtcWorker {
         let mut refused = HashSet::new();
         for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
-            let Some(live) = w.live_attempt.clone() else { continue };
+            let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
             let attempt = Self::attempt(&client, &live).await?;
             match self.node.send(&attempt.raw).await? {
                 Sent::Accepted | Sent::AlreadyKnown => {
-                    if w.state == WithdrawalState::Signed {
+                    if w.state() == WithdrawalState::Signed {
                         let event = WithdrawalEvent::Broadcast { tx_hash: live.clone(), at_block: Some(tip) };
-                        let still = |w: &Withdrawal| w.state == WithdrawalState::Signed;
+                        let still = |w: &Withdrawal| w.state() == WithdrawalState::Signed;
                         report.broadcast += self.record_all(&spend, still, &event).await?;
                     } else {
                         report.rebroadcast += 1;
@@ -821,12 +823,12 @@ impl BtcWorker {
         let client = self.pool.get().await?;
         for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
-            let accepted = w.state != WithdrawalState::Signed && w.attempt_at_block.is_some();
-            let aged = accepted && w.attempt_at_block.is_some_and(|at| tip >= at + self.config.bump_after_blocks);
-            if w.stuck_at_cap || !(refused.contains(&spend.id) || aged) {
+            let accepted = w.state() != WithdrawalState::Signed && w.attempt_at_block().is_some();
+            let aged = accepted && w.attempt_at_block().is_some_and(|at| tip >= at + self.config.bump_after_blocks);
+            if w.stuck_at_cap() || !(refused.contains(&spend.id) || aged) {
                 continue;
             }
-            let live = w.live_attempt.clone().expect("BUG: a signed withdrawal without a live attempt");
+            let live = w.live_attempt().expect("BUG: a signed withdrawal without a live attempt").to_owned();
             let attempt = Self::attempt(&client, &live).await?;
             let mut replacement: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
             let prevouts = Self::reserved(&client, spend.id, &replacement).await?;
@@ -862,7 +864,7 @@ impl BtcWorker {
                     cap: units(self.config.max_fee_rate.0),
                     at_block: tip,
                 };
-                let n = self.record_all(&spend, |w| !w.stuck_at_cap && UNMINED.contains(&w.state), &event).await?;
+                let n = self.record_all(&spend, |w| !w.stuck_at_cap() && UNMINED.contains(&w.state()), &event).await?;
                 if n > 0 {
                     tracing::error!(lane = %lane.lane, tx = %live, cap_sat_per_kvb = self.config.max_fee_rate.0,
                         "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from)");
@@ -916,7 +918,7 @@ impl BtcWorker {
         let mut locked = Vec::new();
         for id in &spend.withdrawals {
             let w = sql::lock(&tx, *id).await?.expect("BUG: a listed withdrawal has no events");
-            if w.live_attempt.as_deref() != Some(live) || !UNMINED.contains(&w.state) {
+            if w.live_attempt() != Some(live) || !UNMINED.contains(&w.state()) {
                 return Ok(false);
             }
             locked.push(w);
@@ -973,7 +975,7 @@ impl BtcWorker {
         let client = self.pool.get().await?;
         for spend in Self::open_spends(&client, &lane.lane, &[WithdrawalState::CancelRequested]).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
-            let Some(live) = w.live_attempt.clone() else { continue };
+            let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
             let attempt = Self::attempt(&client, &live).await?;
             if attempt.kind == AttemptKind::Cancel {
                 continue;

@@ -55,22 +55,22 @@ pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Resul
             format!("the withdrawal row has no readable event stream ({} events); nothing was signed", types.len()),
         ));
     };
-    if folded.state != WithdrawalState::Requested || folded.last_seq != row_seq {
+    if folded.state() != WithdrawalState::Requested || folded.last_seq() != row_seq {
         return Err((
             id,
             format!(
                 "the withdrawal row says requested at event {row_seq}, its event stream says {} at event {}; \
                  nothing was signed",
-                folded.state.as_str(),
-                folded.last_seq
+                folded.state().as_str(),
+                folded.last_seq()
             ),
         ));
     }
     let fact = PaidAs {
-        account_id: folded.account_id,
-        asset: folded.asset.clone(),
-        destination: folded.destination.clone(),
-        amount: folded.amount,
+        account_id: folded.account_id(),
+        asset: folded.asset().to_owned(),
+        destination: folded.destination().to_owned(),
+        amount: folded.amount(),
     };
     if fact != projected {
         return Err((
@@ -156,12 +156,13 @@ impl Worker {
             };
             let call = payout_call(&w);
             let has_code = call.data.is_empty() && codes.next().expect("BUG: one answer per plain payout");
-            if let Some(token) = token_of(&w.asset) {
-                let left = self.token_left(&mut funds, &w.asset, token, signer.address()).await?;
-                if left < w.amount.units() {
-                    short = Some(format!(
+            if let Some(token) = token_of(w.asset()) {
+                let left = self.token_left(&mut funds, w.asset(), token, signer.address()).await?;
+                if left < w.amount().units() {
+                    short =
+                        Some(format!(
                         "{} of {}: the hot wallet can spend {left} after its in-flight payouts, withdrawal {} needs {}",
-                        w.asset, lane.address, w.id, w.amount
+                        w.asset(), lane.address, w.id(), w.amount()
                     ));
                     break;
                 }
@@ -172,14 +173,14 @@ impl Worker {
                 short = Some(format!(
                     "ETH of {}: the hot wallet can spend {} wei after its in-flight attempts, withdrawal {} needs up to \
                      {cost} wei (value and gas at {max_fee} wei per gas)",
-                    lane.address, funds.ether, w.id
+                    lane.address, funds.ether, w.id()
                 ));
                 break;
             }
             funds.ether -= cost;
-            if token_of(&w.asset).is_some() {
-                let left = funds.tokens.get_mut(&w.asset).expect("BUG: token funds read above");
-                *left -= w.amount.units();
+            if token_of(w.asset()).is_some() {
+                let left = funds.tokens.get_mut(w.asset()).expect("BUG: token funds read above");
+                *left -= w.amount().units();
             }
             gas.insert(id, limit);
         }
@@ -220,7 +221,7 @@ impl Worker {
             Ok(_) => Some("the token's transfer returned false".to_owned()),
             Err(e) if e.is_revert() => Some(format!("simulation reverted: {e}")),
             Err(e) => {
-                tracing::warn!(withdrawal = w.id, "simulation failed, retried next pass (no nonce used): {e}");
+                tracing::warn!(withdrawal = w.id(), "simulation failed, retried next pass (no nonce used): {e}");
                 return Ok(None);
             }
         };
@@ -230,13 +231,16 @@ impl Worker {
                 Ok(estimate) => return Ok(Some(estimate + estimate / 5)),
                 Err(e) if e.is_revert() => format!("simulation reverted: {e}"),
                 Err(e) => {
-                    tracing::warn!(withdrawal = w.id, "estimating gas failed, retried next pass (no nonce used): {e}");
+                    tracing::warn!(
+                        withdrawal = w.id(),
+                        "estimating gas failed, retried next pass (no nonce used): {e}"
+                    );
                     return Ok(None);
                 }
             },
         };
         let rejected = WithdrawalEvent::Rejected { reason: refusal };
-        if self.record(w.id, |w| w.state == WithdrawalState::Requested, rejected).await? {
+        if self.record(w.id(), |w| w.state() == WithdrawalState::Requested, rejected).await? {
             report.rejected += 1;
         }
         Ok(None)
@@ -354,7 +358,7 @@ pub(crate) async fn review_tampered(
             // row back as the stream says; there is nothing left for a person to decide.
             sql::write_projection(&tx, &w).await?;
             tx.commit().await?;
-        } else if w.state != WithdrawalState::NeedsReview {
+        } else if w.state() != WithdrawalState::NeedsReview {
             sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
             tx.commit().await?;
         }

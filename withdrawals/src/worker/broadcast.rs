@@ -82,7 +82,7 @@ impl Worker {
         for ((id, w), attempts) in ids.into_iter().zip(loaded).zip(attempts) {
             let w = w.expect("BUG: listed withdrawal has no events");
             let Some(live) = super::replacement::live(&w, &attempts) else { continue };
-            open.push((id, w.state == WithdrawalState::Signed, live.clone()));
+            open.push((id, w.state() == WithdrawalState::Signed, live.clone()));
         }
         drop(client);
         let sent_before: Vec<B256> = open
@@ -114,7 +114,7 @@ impl Worker {
             match self.classify(lane, answer, report).await? {
                 Sent::Accepted if first => broadcast.push(Recording {
                     id,
-                    still: Box::new(|w| w.state == WithdrawalState::Signed),
+                    still: Box::new(|w| w.state() == WithdrawalState::Signed),
                     event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(accepted_at) },
                 }),
                 Sent::Accepted => {

@@ -190,7 +190,7 @@ impl Worker {
             unsigned.push(TxEip1559 {
                 chain_id,
                 nonce: nonce.get(),
-                gas_limit: gas[&w.id],
+                gas_limit: gas[&w.id()],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
                 to: TxKind::Call(to),
@@ -198,9 +198,9 @@ impl Worker {
                 input,
                 ..Default::default()
             });
-            batch.ids.push(w.id);
+            batch.ids.push(w.id());
             batch.nonces.push(nonce.stored());
-            batch.seqs.push(w.last_seq + 1);
+            batch.seqs.push(w.last_seq() + 1);
             nonce = nonce.next();
         }
         if !tampered.is_empty() {

@@ -109,8 +109,8 @@ impl Worker {
     /// [`Worker::cancel_attempts`], never replaced by a payout.
     fn bump_due(&self, w: &Withdrawal, attempts: &[sql::Attempt], head: u64, refused: Option<&String>) -> bool {
         let refused = refused.is_some_and(|hash| live(w, attempts).is_some_and(|a| a.tx_hash == *hash));
-        let aged = w.attempt_at_block.is_some_and(|at| head >= at + self.config.bump_after_blocks);
-        match w.state {
+        let aged = w.attempt_at_block().is_some_and(|at| head >= at + self.config.bump_after_blocks);
+        match w.state() {
             WithdrawalState::Signed => refused,
             WithdrawalState::Broadcast => aged || refused,
             WithdrawalState::CancelRequested => {
@@ -141,7 +141,7 @@ impl Worker {
         let attempts = sql::attempts(&tx, id).await?;
         let due = match why {
             Why::Cancel => {
-                w.state == WithdrawalState::CancelRequested && !attempts.iter().any(|a| a.intent == Intent::Cancel)
+                w.state() == WithdrawalState::CancelRequested && !attempts.iter().any(|a| a.intent == Intent::Cancel)
             }
             Why::Bump => self.bump_due(&w, &attempts, head, refused),
         };
@@ -154,7 +154,7 @@ impl Worker {
         let cap = self.config.max_fee_per_gas_wei;
         let (old_max, old_tip) = (U256::from(previous.max_fee_per_gas), U256::from(previous.max_priority_fee_per_gas));
         let Some((max_fee, priority_fee)) = replacement_fees(old_max, old_tip, base, tip, cap) else {
-            if w.stuck_at_cap {
+            if w.stuck_at_cap() {
                 return Ok(Replaced::AtCap { newly: false });
             }
             let event = WithdrawalEvent::FeeCapReached {
@@ -211,5 +211,5 @@ impl Worker {
 
 /// `w`'s live attempt: the one its events keep alive, or (for streams older than that) its latest.
 pub(super) fn live<'a>(w: &Withdrawal, attempts: &'a [sql::Attempt]) -> Option<&'a sql::Attempt> {
-    w.live_attempt.as_deref().and_then(|hash| attempts.iter().find(|a| a.tx_hash == hash)).or(attempts.last())
+    w.live_attempt().and_then(|hash| attempts.iter().find(|a| a.tx_hash == hash)).or(attempts.last())
 }

@@ -61,7 +61,7 @@ impl Worker {
                     self.clear_suspect(id);
                     mined_now.push(Recording {
                         id,
-                        still: Box::new(|w| UNMINED.contains(&w.state)),
+                        still: Box::new(|w| UNMINED.contains(&w.state())),
                         event: WithdrawalEvent::Mined {
                             tx_hash: attempt.tx_hash,
                             block_hash: hex(receipt.block_hash),
@@ -91,7 +91,7 @@ impl Worker {
                     if self
                         .record(
                             id,
-                            |w| UNMINED.contains(&w.state),
+                            |w| UNMINED.contains(&w.state()),
                             WithdrawalEvent::NeedsReview { reason: reason.clone() },
                         )
                         .await?
@@ -113,23 +113,23 @@ impl Worker {
         let mut mined_attempts = sql::attempts_many(&client, &mined_ids).await?.into_iter();
         let hashes: Vec<B256> = mined
             .iter()
-            .map(|w| w.tx_hash.as_deref().expect("BUG: mined without a hash").parse().expect("BUG: stored hash"))
+            .map(|w| w.tx_hash().expect("BUG: mined without a hash").parse().expect("BUG: stored hash"))
             .collect();
         let receipts = self.node.receipts(&hashes).await?;
         let mut settled = Vec::new();
         for (w, receipt) in mined.into_iter().zip(receipts) {
             let attempts_of_this = mined_attempts.next().expect("BUG: one attempt list per withdrawal");
-            let id = w.id;
-            let tx_hash = w.tx_hash.clone().expect("BUG: mined without a hash");
-            let mined_in = w.mined_block_hash.clone().expect("BUG: mined without a block");
+            let id = w.id();
+            let tx_hash = w.tx_hash().expect("BUG: mined without a hash").to_owned();
+            let mined_in = w.mined_block_hash().expect("BUG: mined without a block").to_owned();
             let expected = mined_in.clone();
             let still_mined_there = move |w: &Withdrawal| {
-                w.state == WithdrawalState::Mined && w.mined_block_hash.as_deref() == Some(expected.as_str())
+                w.state() == WithdrawalState::Mined && w.mined_block_hash() == Some(expected.as_str())
             };
             let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
                 // Unmined only when the chain no longer has that block at that height: a node that
                 // lost a receipt (a lagging replica, an answer from a stale block) is not a reorg.
-                let height = w.mined_block_number.expect("BUG: mined without a height");
+                let height = w.mined_block_number().expect("BUG: mined without a height");
                 if self.node.block_hash(height).await?.map(hex).as_deref() == Some(mined_in.as_str()) {
                     tracing::warn!(withdrawal = id, %tx_hash, "the node has the mined block but no receipt for it; asked again next pass");
                     continue;
@@ -211,14 +211,14 @@ impl Worker {
             let reason = format!(
                 "confirmed in block {} (height {}), but the chain no longer holds its transaction: nonce {nonce} is not \
                  counted at block {head} (a reorg deeper than the confirmation depth of {})",
-                w.mined_block_hash.as_deref().unwrap_or("?"),
-                w.mined_block_number.map_or("?".to_owned(), |h| h.to_string()),
+                w.mined_block_hash().unwrap_or("?"),
+                w.mined_block_number().map_or("?".to_owned(), |h| h.to_string()),
                 self.config.confirmations
             );
             metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.clone()).increment(1);
             tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
             let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-            if self.record(id, |w| w.state == WithdrawalState::Confirmed, event).await? {
+            if self.record(id, |w| w.state() == WithdrawalState::Confirmed, event).await? {
                 report.needs_review += 1;
                 self.pause(lane, &format!("needs review: {reason}"), report).await?;
             }
@@ -310,7 +310,7 @@ fn outcome(
             if intent != mined.intent {
                 // A label recorded before intents were (a bump of a cancel was once called a
                 // bump): the bytes decide, and the disagreement is logged.
-                tracing::warn!(withdrawal = w.id, %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
+                tracing::warn!(withdrawal = w.id(), %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
                     "the mined attempt's recorded intent disagrees with its bytes; settled by the bytes");
             }
             settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt)
@@ -318,9 +318,9 @@ fn outcome(
         None => {
             let reason = format!(
                 "attempt {tx_hash} mined, but its bytes pay neither the withdrawal ({}) nor a cancel",
-                w.destination
+                w.destination()
             );
-            tracing::error!(withdrawal = w.id, "ALERT: {reason}");
+            tracing::error!(withdrawal = w.id(), "ALERT: {reason}");
             WithdrawalEvent::NeedsReview { reason }
         }
     }
@@ -343,16 +343,16 @@ fn settle_as(
     if !receipt.success {
         return WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee };
     }
-    if let Some(token) = token_of(&w.asset) {
-        let destination: Address = w.destination.parse().expect("BUG: stored destination is not an address");
+    if let Some(token) = token_of(w.asset()) {
+        let destination: Address = w.destination().parse().expect("BUG: stored destination is not an address");
         let paid = token_paid(&receipt.logs, token, hot_wallet, destination);
-        if paid != w.amount.units() {
-            metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset.clone()).increment(1);
+        if paid != w.amount().units() {
+            metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset().to_owned()).increment(1);
             tracing::error!(
-                withdrawal = w.id, %tx_hash, asset = %w.asset, asked = %w.amount.units(), paid = %paid,
+                withdrawal = w.id(), %tx_hash, asset = %w.asset(), asked = %w.amount().units(), paid = %paid,
                 "ALERT: the token's transfer succeeded but its Transfer events pay the destination {} of {}: \
                  failed on chain, the hold released; reconcile the hot wallet's token balance",
-                paid, w.amount.units()
+                paid, w.amount().units()
             );
             return WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee };
         }

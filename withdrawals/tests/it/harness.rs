@@ -94,7 +94,7 @@ impl Harness {
     }
 
     pub async fn state(&self, id: i64) -> WithdrawalState {
-        sql::load(&self.db.pool.get().await.unwrap(), id).await.unwrap().unwrap().state
+        sql::load(&self.db.pool.get().await.unwrap(), id).await.unwrap().unwrap().state()
     }
 
     pub async fn available(&self, account: i64) -> String {
@@ -169,10 +169,10 @@ pub async fn on_one_lane(h: &Harness, account: i64, n: usize) -> (String, Vec<i6
     let mut by_lane = std::collections::HashMap::<String, Vec<i64>>::new();
     for i in 0..64u64 {
         let w = h.request(account, &format!("lane-{i}"), &edge_destination(100 + i), ETHER).await.unwrap().withdrawal;
-        let ids = by_lane.entry(w.lane.clone()).or_default();
-        ids.push(w.id);
+        let ids = by_lane.entry(w.lane().to_owned()).or_default();
+        ids.push(w.id());
         if ids.len() == n {
-            let lane = w.lane.clone();
+            let lane = w.lane();
             // The others are cancelled before signing: only this lane has anything in flight.
             for (other, ids) in &by_lane {
                 if *other != lane {
@@ -181,8 +181,8 @@ pub async fn on_one_lane(h: &Harness, account: i64, n: usize) -> (String, Vec<i6
                     }
                 }
             }
-            let ids = by_lane.remove(&lane).unwrap();
-            return (lane, ids);
+            let ids = by_lane.remove(lane).unwrap();
+            return (lane.to_owned(), ids);
         }
     }
     panic!("no lane got {n} withdrawals");
