@@ -117,8 +117,9 @@ async fn drain(
     batch: usize,
     limit: usize,
 ) -> (u64, Duration) {
-    let ids =
-        sql::in_state(&pool.get().await.unwrap(), &lane.lane, WithdrawalState::Requested, Some(limit)).await.unwrap();
+    let ids = sql::in_state(&pool.get().await.unwrap(), lane.lane.as_str(), WithdrawalState::Requested, Some(limit))
+        .await
+        .unwrap();
     let started = Instant::now();
     let mut signed = 0;
     for chunk in ids.chunks(batch) {

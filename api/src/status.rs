@@ -133,6 +133,7 @@ pub(crate) fn hot_wallet(error: HotWalletError) -> Status {
         HotWalletError::UnknownLane(lane) => Status::not_found(format!("no hot-wallet lane named {lane:?}")),
         HotWalletError::Database(e) => database("changing the lane", &e),
         HotWalletError::Node(e) => Status::unavailable(format!("the Ethereum node failed: {e}")),
+        bad @ HotWalletError::BadLaneName(_) => Status::invalid_argument(bad.to_string()),
         taken @ HotWalletError::Taken { .. } => Status::already_exists(taken.to_string()),
         resync @ HotWalletError::NeedsResync(_) => Status::failed_precondition(resync.to_string()),
         last @ HotWalletError::LastOpenLane(_) => Status::failed_precondition(last.to_string()),

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 
 use crate::withdrawal::{Withdrawal, WithdrawalEvent};
-use crate::{Amount, LedgerAccount};
+use crate::{Amount, LedgerAccount, WithdrawalId};
 
 /// The kinds of transfer a withdrawal makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -74,7 +74,7 @@ pub struct Booking {
 /// What `movement` books for `w` (`fee` for [`Movement::Fee`]); `None` when it moves nothing.
 pub fn booking(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<Booking> {
     use LedgerAccount::{Custody, NetworkFees, WithdrawalHolds};
-    let payer = LedgerAccount::payer(w.account_id(), w.treasury());
+    let payer = LedgerAccount::payer(w.account_id().get(), w.treasury());
     let (kind, suffix, debit, credit, asset, amount) = match movement {
         Movement::Hold => ("withdrawal_hold", "hold", payer, WithdrawalHolds, w.asset(), w.amount()),
         Movement::Release => ("withdrawal_release", "release", WithdrawalHolds, payer, w.asset(), w.amount()),
@@ -93,7 +93,7 @@ pub fn booking(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<Bookin
 
 /// Every transfer the stream `events` of withdrawal `id` entails, each once, as first entailed;
 /// empty when the stream does not start with `requested`.
-pub fn bookings(id: i64, events: &[WithdrawalEvent]) -> Vec<Booking> {
+pub fn bookings(id: WithdrawalId, events: &[WithdrawalEvent]) -> Vec<Booking> {
     let Some(w) = events.first().and_then(|first| Withdrawal::start(id, first)) else { return Vec::new() };
     let mut booked: HashSet<Movement> = HashSet::new();
     let mut out = Vec::new();
@@ -113,15 +113,16 @@ pub fn bookings(id: i64, events: &[WithdrawalEvent]) -> Vec<Booking> {
 mod tests {
     use super::*;
     use crate::withdrawal::WithdrawalEvent as E;
+    use crate::LaneName;
 
     fn requested(treasury: bool) -> E {
         E::Requested {
-            account_id: 7,
+            account_id: crate::AccountId::new(7),
             external_id: "x".into(),
             asset: "USDC".into(),
             destination: "0x0000000000000000000000000000000000000001".into(),
             amount: Amount::from_u64(500),
-            lane: "a".into(),
+            lane: LaneName::parse("a").unwrap(),
             requested_by: "app".into(),
             treasury,
         }
@@ -142,7 +143,7 @@ mod tests {
         let stream = [requested(false), confirmed(30), E::NeedsReview { reason: "reorged".into() }, resolved_paid];
         let s = |x: &str| x.to_owned();
         assert_eq!(
-            keys(&bookings(4, &stream)),
+            keys(&bookings(crate::WithdrawalId::new(4), &stream)),
             [
                 (s("withdrawal:4:hold"), s("user:7"), s("withdrawal_holds"), s("USDC"), s("500")),
                 (s("withdrawal:4:settle"), s("withdrawal_holds"), s("custody"), s("USDC"), s("500")),
@@ -156,18 +157,21 @@ mod tests {
         let cancelled = E::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some("c".into()) };
         let s = |x: &str| x.to_owned();
         assert_eq!(
-            keys(&bookings(5, &[requested(true), cancelled])),
+            keys(&bookings(crate::WithdrawalId::new(5), &[requested(true), cancelled])),
             [
                 (s("withdrawal:5:hold"), s("treasury"), s("withdrawal_holds"), s("USDC"), s("500")),
                 (s("withdrawal:5:release"), s("withdrawal_holds"), s("treasury"), s("USDC"), s("500")),
             ]
         );
         let failed = E::FailedOnchain { tx_hash: "t".into(), block_hash: "b".into(), fee: Amount::from_u64(3) };
-        let booked = bookings(6, &[requested(false), failed]);
+        let booked = bookings(crate::WithdrawalId::new(6), &[requested(false), failed]);
         assert_eq!(
             booked.iter().map(|b| b.kind).collect::<Vec<_>>(),
             ["withdrawal_hold", "withdrawal_release", "network_fee"]
         );
-        assert!(bookings(6, &[E::Rejected { reason: "r".into() }]).is_empty(), "a stream starts with requested");
+        assert!(
+            bookings(crate::WithdrawalId::new(6), &[E::Rejected { reason: "r".into() }]).is_empty(),
+            "a stream starts with requested"
+        );
     }
 }

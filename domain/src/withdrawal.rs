@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
+use crate::ids::{AccountId, LaneName, WithdrawalId};
 use crate::nonce::Nonce;
 
 /// One event of a withdrawal's stream. The tag is the stored `event_type`; the rest is the payload.
@@ -17,7 +18,7 @@ pub enum WithdrawalEvent {
     /// A client asked for it; the hold is posted in the same transaction.
     Requested {
         /// The account paying.
-        account_id: i64,
+        account_id: AccountId,
         /// The client's idempotency key.
         external_id: String,
         /// Asset key.
@@ -27,7 +28,7 @@ pub enum WithdrawalEvent {
         /// Smallest units.
         amount: Amount,
         /// The lane (hot wallet) chosen by hashing the withdrawal id.
-        lane: String,
+        lane: LaneName,
         /// The authenticated principal (API token name) who asked; never one of its approvers.
         /// Empty only in streams recorded before principals existed.
         #[serde(default)]
@@ -354,9 +355,9 @@ impl std::str::FromStr for AttemptKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Withdrawal {
     /// Id.
-    id: i64,
+    id: WithdrawalId,
     /// Account paying.
-    account_id: i64,
+    account_id: AccountId,
     /// Client idempotency key.
     external_id: String,
     /// Asset key.
@@ -368,7 +369,7 @@ pub struct Withdrawal {
     /// Current state.
     state: WithdrawalState,
     /// Lane.
-    lane: String,
+    lane: LaneName,
     /// Hot wallet, once signed.
     from_address: Option<String>,
     /// Nonce, once signed.
@@ -408,12 +409,12 @@ pub struct Withdrawal {
 impl Withdrawal {
     // What the fold has made of the stream; nothing else sets these.
     /// Id.
-    pub fn id(&self) -> i64 {
+    pub fn id(&self) -> WithdrawalId {
         self.id
     }
 
     /// Account paying.
-    pub fn account_id(&self) -> i64 {
+    pub fn account_id(&self) -> AccountId {
         self.account_id
     }
 
@@ -443,7 +444,7 @@ impl Withdrawal {
     }
 
     /// Lane.
-    pub fn lane(&self) -> &str {
+    pub fn lane(&self) -> &LaneName {
         &self.lane
     }
 
@@ -533,7 +534,7 @@ impl Withdrawal {
     }
 
     /// Starts a stream from its first event, which must be `requested`.
-    pub fn start(id: i64, first: &WithdrawalEvent) -> Option<Withdrawal> {
+    pub fn start(id: WithdrawalId, first: &WithdrawalEvent) -> Option<Withdrawal> {
         let WithdrawalEvent::Requested {
             account_id,
             external_id,
@@ -678,7 +679,7 @@ impl Withdrawal {
     }
 
     /// Folds a whole stream.
-    pub fn fold(id: i64, events: &[WithdrawalEvent]) -> Option<Withdrawal> {
+    pub fn fold(id: WithdrawalId, events: &[WithdrawalEvent]) -> Option<Withdrawal> {
         let (first, rest) = events.split_first()?;
         let mut withdrawal = Withdrawal::start(id, first)?;
         for event in rest {
@@ -705,12 +706,12 @@ mod tests {
 
     fn requested() -> WithdrawalEvent {
         WithdrawalEvent::Requested {
-            account_id: 1,
+            account_id: crate::AccountId::new(1),
             external_id: "e-1".into(),
             asset: "ETH".into(),
             destination: "0x01".into(),
             amount: Amount::from_u64(5),
-            lane: "a".into(),
+            lane: LaneName::parse("a").unwrap(),
             requested_by: "client".into(),
             treasury: false,
         }
@@ -806,16 +807,16 @@ mod tests {
             ),
         ];
         for (events, state, tx) in cases {
-            let folded = Withdrawal::fold(9, &events).expect("starts with requested");
+            let folded = Withdrawal::fold(crate::WithdrawalId::new(9), &events).expect("starts with requested");
             assert_eq!(folded.state, state, "{events:?}");
             assert_eq!(folded.tx_hash.as_deref(), tx, "{events:?}");
             assert_eq!(folded.last_seq as usize, events.len());
         }
-        assert!(Withdrawal::fold(9, &[E::Approved { by: "x".into() }]).is_none());
+        assert!(Withdrawal::fold(crate::WithdrawalId::new(9), &[E::Approved { by: "x".into() }]).is_none());
         // A cancel requested before the payout mined still stands when its block is reorged out,
         // and the bytes that were mined are the ones kept alive, not the latest signed.
         let raced = Withdrawal::fold(
-            9,
+            crate::WithdrawalId::new(9),
             &[
                 requested(),
                 signed.clone(),
@@ -831,17 +832,19 @@ mod tests {
         assert_eq!(raced.live_attempt.as_deref(), Some("0x01"));
         // Age counts from first acceptance, not from signing; a bump restarts it.
         let accepted = Withdrawal::fold(
-            9,
+            crate::WithdrawalId::new(9),
             &[requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into(), at_block: Some(7) }],
         )
         .unwrap();
         assert_eq!(accepted.attempt_at_block, Some(7));
         let cap = E::FeeCapReached { tx_hash: "0x01".into(), cap: Amount::from_u64(9), at_block: 8 };
-        let stuck = Withdrawal::fold(9, &[requested(), signed.clone(), cap.clone()]).unwrap();
+        let stuck = Withdrawal::fold(crate::WithdrawalId::new(9), &[requested(), signed.clone(), cap.clone()]).unwrap();
         assert!(stuck.stuck_at_cap);
-        let moved =
-            Withdrawal::fold(9, &[requested(), signed.clone(), cap, E::Bumped { tx_hash: "0x04".into(), at_block: 9 }])
-                .unwrap();
+        let moved = Withdrawal::fold(
+            crate::WithdrawalId::new(9),
+            &[requested(), signed.clone(), cap, E::Bumped { tx_hash: "0x04".into(), at_block: 9 }],
+        )
+        .unwrap();
         assert!(!moved.stuck_at_cap);
         // A stream recorded before approvals were counted still reads (one approver).
         let old = WithdrawalEvent::from_stored("awaiting_approval", &serde_json::json!({"limit": "1"})).unwrap();

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use alloy_primitives::U256;
 use custodian_domain::posting_rules::{self, Booking};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
+use custodian_domain::WithdrawalId;
 use custodian_domain::{Amount, LedgerAccount, Nonce, SignedAmount};
 use futures::{pin_mut, TryStreamExt};
 use serde::Serialize;
@@ -399,8 +400,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     let mut rebuilt = Vec::with_capacity(streams.len());
     let mut bookings = Vec::new();
     for (id, events) in &streams {
-        bookings.extend(posting_rules::bookings(*id, events));
-        match Withdrawal::fold(*id, events) {
+        bookings.extend(posting_rules::bookings(WithdrawalId::new(*id), events));
+        match Withdrawal::fold(WithdrawalId::new(*id), events) {
             Some(w) => rebuilt.push(w),
             None => report.differences.push(Difference {
                 check: "withdrawal streams",
@@ -409,16 +410,16 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         }
     }
     let column = |f: fn(&Withdrawal) -> Option<String>| rebuilt.iter().map(f).collect::<Vec<_>>();
-    let ids: Vec<i64> = rebuilt.iter().map(|w| w.id()).collect();
+    let ids: Vec<i64> = rebuilt.iter().map(|w| w.id().get()).collect();
     let seqs: Vec<i32> = rebuilt.iter().map(|w| w.last_seq()).collect();
     let nonces: Vec<Option<i64>> = rebuilt.iter().map(|w| w.nonce().map(Nonce::stored)).collect();
-    let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id()).collect();
+    let accounts: Vec<i64> = rebuilt.iter().map(|w| w.account_id().get()).collect();
     let stuck: Vec<bool> = rebuilt.iter().map(|w| w.stuck_at_cap()).collect();
     let rebuilt_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
         &ids,
         &column(|w| Some(w.state().as_str().to_owned())),
         &seqs,
-        &column(|w| Some(w.lane().to_owned())),
+        &column(|w| Some(w.lane().to_string())),
         &column(|w| w.from_address().map(str::to_owned)),
         &nonces,
         &column(|w| w.tx_hash().map(str::to_owned)),
@@ -438,7 +439,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     // What the rebuilt withdrawals hold: those still in flight.
     // Customers' only: the treasury's rebalances are not a customer's held balance.
     let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds() && !w.treasury()).collect();
-    let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id()).collect();
+    let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id().get()).collect();
     let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset().to_owned()).collect();
     let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount().to_string()).collect();
 

@@ -76,7 +76,7 @@ pub async fn hot_wallets(pool: Pool, eth: Option<EthNode>, thresholds: Threshold
                 for lane in eth_lanes {
                     let Ok(address) = lane.address.parse() else { continue };
                     if let Ok(balance) = node.balance(address).await {
-                        balances.push(("eth", lane.lane, balance));
+                        balances.push(("eth", lane.lane.to_string(), balance));
                     }
                 }
             }

@@ -88,22 +88,22 @@ pub fn eth_signers(sources: &Sources<'_>, lanes: &[Lane]) -> Result<HashMap<Stri
     };
     let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
     for lane in lanes {
-        let name = env_name(&lane.lane);
+        let name = env_name(lane.lane.as_str());
         let file = sources
             .files
-            .get(&lane.lane)
+            .get(lane.lane.as_str())
             .cloned()
             .or_else(|| std::env::var_os(format!("CUSTODIAN_HOT_KEY_FILE_{name}")).map(PathBuf::from));
         let signer = match file {
-            Some(path) => from_file(&lane.lane, &path)?,
+            Some(path) => from_file(lane.lane.as_str(), &path)?,
             None => match (sources.env_key)(&name) {
                 Some(key) => LocalSigner::from_hex(&key)
                     .map_err(|e| KeyError::Unreadable(format!("CUSTODIAN_HOT_KEY_{name}: {e}")))?,
-                None => match sources.configured.get(&lane.lane) {
-                    Some(ConfiguredKey { key_file: Some(path), .. }) => from_file(&lane.lane, path)?,
+                None => match sources.configured.get(lane.lane.as_str()) {
+                    Some(ConfiguredKey { key_file: Some(path), .. }) => from_file(lane.lane.as_str(), path)?,
                     Some(ConfiguredKey { key: Some(key), .. }) => LocalSigner::from_hex(key.expose_secret())
                         .map_err(|e| KeyError::Unreadable(format!("[hot_keys.{}]: {e}", lane.lane)))?,
-                    Some(_) => return Err(KeyError::Empty(lane.lane.clone())),
+                    Some(_) => return Err(KeyError::Empty(lane.lane.to_string())),
                     None => {
                         tracing::warn!(lane = %lane.lane, "no key for this lane; its withdrawals wait for a worker that has one");
                         continue;
@@ -111,7 +111,7 @@ pub fn eth_signers(sources: &Sources<'_>, lanes: &[Lane]) -> Result<HashMap<Stri
                 },
             },
         };
-        signers.insert(lane.lane.clone(), Arc::new(signer));
+        signers.insert(lane.lane.to_string(), Arc::new(signer));
     }
     Ok(signers)
 }
@@ -141,13 +141,13 @@ pub fn btc_keys(
 ) -> Result<HashMap<String, Arc<BtcHotKey>>, KeyError> {
     let mut keys = HashMap::new();
     for lane in lanes {
-        let path = std::env::var_os(format!("CUSTODIAN_BTC_HOT_KEY_FILE_{}", env_name(&lane.lane)))
+        let path = std::env::var_os(format!("CUSTODIAN_BTC_HOT_KEY_FILE_{}", env_name(lane.lane.as_str())))
             .map(PathBuf::from)
-            .or_else(|| sources.btc_files.get(&lane.lane).cloned());
+            .or_else(|| sources.btc_files.get(lane.lane.as_str()).cloned());
         let Some(path) = path else { continue };
         let key = BtcHotKey::from_file(&path, network)
             .map_err(|e| KeyError::Unreadable(format!("BTC lane {}: {e}", lane.lane)))?;
-        keys.insert(lane.lane.clone(), Arc::new(key));
+        keys.insert(lane.lane.to_string(), Arc::new(key));
     }
     Ok(keys)
 }

@@ -356,18 +356,20 @@ mod story {
             big.withdrawal.id(),
             big.withdrawal.state().as_str()
         ));
-        match actions::approve(&mut pool.get().await?, big.withdrawal.id(), app).await {
+        match actions::approve(&mut pool.get().await?, big.withdrawal.id().get(), app).await {
             Err(refusal @ actions::ActionError::SelfApproval { .. }) => {
                 say(format!("  {app} (which holds the approve scope) tries to approve it: refused: {refusal}"))
             }
             other => bail!("a self-approval must be refused, got {other:?}"),
         }
-        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["dana"]).await?;
+        let (approved, _) =
+            actions::approve(&mut pool.get().await?, big.withdrawal.id().get(), &principal["dana"]).await?;
         say(format!("  dana approves it: still {} (one of two)", approved.state().as_str()));
         let (again, recorded) =
-            actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["dana"]).await?;
+            actions::approve(&mut pool.get().await?, big.withdrawal.id().get(), &principal["dana"]).await?;
         say(format!("  dana approves again: counts once (recorded: {recorded}), still {}", again.state().as_str()));
-        let (approved, _) = actions::approve(&mut pool.get().await?, big.withdrawal.id(), &principal["erin"]).await?;
+        let (approved, _) =
+            actions::approve(&mut pool.get().await?, big.withdrawal.id().get(), &principal["erin"]).await?;
         say(format!(
             "  erin approves it: {} (approved by {})",
             approved.state().as_str(),
@@ -387,8 +389,8 @@ mod story {
             worker.pass().await?;
             let mut all_confirmed = true;
             for id in ids {
-                let events = sql::events(&client, id).await?;
-                let from = told.get(&id).copied().unwrap_or(0);
+                let events = sql::events(&client, id.get()).await?;
+                let from = told.get(&id.get()).copied().unwrap_or(0);
                 for event in &events[from..] {
                     let detail = match event {
                         WithdrawalEvent::Signed { from_address, nonce: Some(nonce), tx_hash, .. } => {
@@ -414,8 +416,9 @@ mod story {
                     };
                     say(format!("  withdrawal {id} {}: {detail}", event.event_type()));
                 }
-                told.insert(id, events.len());
-                all_confirmed &= sql::load(&client, id).await?.is_some_and(|w| w.state() == WithdrawalState::Confirmed);
+                told.insert(id.get(), events.len());
+                all_confirmed &=
+                    sql::load(&client, id.get()).await?.is_some_and(|w| w.state() == WithdrawalState::Confirmed);
             }
             if all_confirmed {
                 break;
@@ -549,7 +552,7 @@ mod story {
         btc_worker.pass().await?;
         let client = pool.get().await?;
         let original =
-            sql::load(&client, batch[0]).await?.and_then(|w| w.tx_hash().map(str::to_owned)).unwrap_or_default();
+            sql::load(&client, batch[0].get()).await?.and_then(|w| w.tx_hash().map(str::to_owned)).unwrap_or_default();
         let row = client.query_one("select fee::text, vsize from btc_attempt where tx_hash = $1", &[&original]).await?;
         say(format!(
             "  one pass: coins reserved, one transaction signed (BIP-143) paying all three plus change, stored, sent: {original} ({} vB, fee {} sat)",
@@ -560,8 +563,10 @@ mod story {
         sim.mine_empty(1);
         scan_and_post(&pool, btc_reader()?).await?;
         btc_worker.pass().await?;
-        let bumped =
-            sql::load(&client, batch[0]).await?.and_then(|w| w.live_attempt().map(str::to_owned)).unwrap_or_default();
+        let bumped = sql::load(&client, batch[0].get())
+            .await?
+            .and_then(|w| w.live_attempt().map(str::to_owned))
+            .unwrap_or_default();
         let row = client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&bumped]).await?;
         say(format!(
             "  the fee market rises to 25 sat/vB and a block passes without it: replaced (BIP-125) by {bumped}, fee {} sat from change; the customers' outputs unchanged",
@@ -571,7 +576,7 @@ mod story {
         scan_and_post(&pool, btc_reader()?).await?;
         btc_worker.pass().await?;
         for id in &batch {
-            let w = sql::load(&client, *id).await?.context("a demo withdrawal")?;
+            let w = sql::load(&client, id.get()).await?.context("a demo withdrawal")?;
             say(format!("  withdrawal {id}: {} by {}", w.state().as_str(), w.tx_hash().unwrap_or_default()));
         }
         table(&pool, &accounts).await?;

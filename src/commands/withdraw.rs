@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
-use custodian_domain::{Amount, Chain};
+use custodian_domain::{Amount, Chain, LaneName};
 use custodian_service::{keys, Service};
 use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
@@ -55,13 +55,10 @@ fn limit_error(e: LimitError) -> anyhow::Error {
     }
 }
 
-/// `lane`, or `lane<N>` for the next free N: letters, digits, `-` or `_`.
+/// `lane`, or `lane<N>` for the next free N.
 fn lane_name(lane: Option<&str>, existing: usize) -> Result<String> {
     match lane {
-        Some(lane) if !lane.is_empty() && lane.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') => {
-            Ok(lane.to_owned())
-        }
-        Some(lane) => Err(invalid(format!("lane name {lane:?} must be letters, digits, - or _"))),
+        Some(lane) => Ok(LaneName::parse(lane).map_err(|e| invalid(e.to_string()))?.to_string()),
         None => Ok(format!("lane{}", existing + 1)),
     }
 }

@@ -149,7 +149,7 @@ use std::sync::Arc;
 
 use bitcoin::{Address, Amount as Sats, OutPoint, Transaction, Txid};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{BtcAddress, BtcNetwork, Chain};
+use custodian_domain::{BtcAddress, BtcNetwork, Chain, WithdrawalId};
 use custodian_testkit::btcsim::AddrKind;
 use custodian_withdrawals::btc::node::BtcNode;
 use custodian_withdrawals::btc::tx::FeeRate;
@@ -304,7 +304,7 @@ async fn forty_btc_withdrawals_from_eight_clients_sent_twice_are_each_paid_once_
     }
     let config = BtcConfig { confirmations: 2, bump_after_blocks: 100, batch_max: 15, ..BtcConfig::default() };
     let (one, two) = (p.worker(config.clone()), p.worker(config));
-    let ids: Vec<i64> = wanted.iter().map(|(id, ..)| *id).collect();
+    let ids: Vec<i64> = wanted.iter().map(|(id, ..)| id.get()).collect();
     p.settle(&[&one, &two], &ids, 12).await;
 
     // On chain: every destination paid exactly once, the exact amount.
@@ -317,7 +317,7 @@ async fn forty_btc_withdrawals_from_eight_clients_sent_twice_are_each_paid_once_
             .map(|o| o.value.to_sat())
             .collect();
         assert_eq!(paid, vec![*sats], "withdrawal {id} to {to}");
-        assert_eq!(p.load(*id).await.state(), WithdrawalState::Confirmed, "withdrawal {id}");
+        assert_eq!(p.load(id.get()).await.state(), WithdrawalState::Confirmed, "withdrawal {id}");
     }
     // Batches: fewer transactions than withdrawals; each mined attempt's fee is inputs minus
     // outputs as the chain has it, and the ledger's fees add up to exactly that.
@@ -427,7 +427,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     let w = p.request("one", &to, 300_000).await.unwrap().withdrawal;
     // Killed after commit, before broadcast: the allocation is all there is.
     p.worker(bumping(50)).allocate_lane("b0").await.unwrap();
-    let signed = p.load(w.id()).await;
+    let signed = p.load(w.id().get()).await;
     assert_eq!(signed.state(), WithdrawalState::Signed);
     let original = signed.tx_hash().unwrap().to_owned();
     assert!(p.sim.mempool().is_empty(), "nothing was sent before the crash");
@@ -441,7 +441,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     let worker = p.worker(bumping(50));
     worker.pass().await.unwrap();
     assert_eq!(p.sim.mempool(), vec![original.parse::<Txid>().unwrap()], "the same transaction, not a new one");
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Broadcast);
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Broadcast);
     // Evicted (a node restart): the next pass sends it again.
     assert!(p.sim.evict(original.parse().unwrap()));
     worker.pass().await.unwrap();
@@ -452,7 +452,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     p.scan().await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1, "{report:?}");
-    let bumped = p.load(w.id()).await;
+    let bumped = p.load(w.id().get()).await;
     let replacement = bumped.live_attempt().unwrap().to_owned();
     assert_ne!(replacement, original);
     assert_eq!(p.sim.mempool(), vec![replacement.parse::<Txid>().unwrap()], "the replacement took its place");
@@ -475,17 +475,17 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     p.scan().await;
     let capped = worker.pass().await.unwrap();
     assert_eq!((capped.bumped, capped.fee_cap_reached), (0, 1), "{capped:?}");
-    assert!(p.load(w.id()).await.stuck_at_cap());
+    assert!(p.load(w.id().get()).await.stuck_at_cap());
     assert_eq!(worker.pass().await.unwrap().fee_cap_reached, 0, "alerted once");
     // The last replacement mines and settles with its own fee; the others stay recorded.
-    let live = p.load(w.id()).await.live_attempt().unwrap().to_owned();
-    p.settle(&[&worker], &[w.id()], 4).await;
-    let done = p.load(w.id()).await;
+    let live = p.load(w.id().get()).await.live_attempt().unwrap().to_owned();
+    p.settle(&[&worker], &[w.id().get()], 4).await;
+    let done = p.load(w.id().get()).await;
     assert_eq!((done.state(), done.tx_hash()), (WithdrawalState::Confirmed, Some(live.as_str())));
     let fee: String =
         client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&live]).await.unwrap().get(0);
     assert!(
-        matches!(p.events(w.id()).await.last(), Some(WithdrawalEvent::Confirmed { fee: f, .. }) if f.to_string() == fee)
+        matches!(p.events(w.id().get()).await.last(), Some(WithdrawalEvent::Confirmed { fee: f, .. }) if f.to_string() == fee)
     );
     assert_eq!(client.query_one("select count(*) from btc_attempt", &[]).await.unwrap().get::<_, i64>(0), 3);
     p.verify().await;
@@ -498,19 +498,19 @@ async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch()
     let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
     // Before signing: released at once.
     let early = p.request("early", &p.sim.address(AddrKind::P2wpkh, 1), 200_000).await.unwrap().withdrawal;
-    let (cancelled, _) = actions::cancel(&mut p.db.pool.get().await.unwrap(), early.id(), "alice").await.unwrap();
+    let (cancelled, _) = actions::cancel(&mut p.db.pool.get().await.unwrap(), early.id().get(), "alice").await.unwrap();
     assert_eq!(cancelled.state(), WithdrawalState::Cancelled);
     // After broadcast: a replacement paying the coins back to us mines.
     let late = p.request("late", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    let original = p.load(late.id()).await.tx_hash().unwrap().to_owned();
-    actions::cancel(&mut p.db.pool.get().await.unwrap(), late.id(), "alice").await.unwrap();
+    let original = p.load(late.id().get()).await.tx_hash().unwrap().to_owned();
+    actions::cancel(&mut p.db.pool.get().await.unwrap(), late.id().get(), "alice").await.unwrap();
     let report = worker.pass().await.unwrap();
     assert_eq!(report.cancel_attempts, 1, "{report:?}");
-    let cancel = p.load(late.id()).await.live_attempt().unwrap().to_owned();
+    let cancel = p.load(late.id().get()).await.live_attempt().unwrap().to_owned();
     assert_eq!(p.sim.mempool(), vec![cancel.parse::<Txid>().unwrap()], "the cancel replaced the original");
-    p.settle(&[&worker], &[late.id()], 4).await;
-    let done = p.load(late.id()).await;
+    p.settle(&[&worker], &[late.id().get()], 4).await;
+    let done = p.load(late.id().get()).await;
     assert_eq!((done.state(), done.tx_hash()), (WithdrawalState::Cancelled, Some(cancel.as_str())));
     assert_ne!(cancel, original);
     let txs = p.chain_txs();
@@ -529,11 +529,11 @@ async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch()
     let a = p.request("a", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal;
     let b = p.request("b", &p.sim.address(AddrKind::P2tr, 3), 100_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    assert_eq!(p.load(a.id()).await.tx_hash(), p.load(b.id()).await.tx_hash(), "one transaction pays both");
-    let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), a.id(), "alice").await.unwrap_err();
+    assert_eq!(p.load(a.id().get()).await.tx_hash(), p.load(b.id().get()).await.tx_hash(), "one transaction pays both");
+    let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), a.id().get(), "alice").await.unwrap_err();
     assert!(refused.to_string().contains("the batch stands"), "{refused}");
-    p.settle(&[&worker], &[a.id(), b.id()], 4).await;
-    assert_eq!(p.load(a.id()).await.state(), WithdrawalState::Confirmed);
+    p.settle(&[&worker], &[a.id().get(), b.id().get()], 4).await;
+    assert_eq!(p.load(a.id().get()).await.state(), WithdrawalState::Confirmed);
     p.verify().await;
 }
 
@@ -544,10 +544,10 @@ async fn a_cancel_loses_to_the_original_mining_first() {
     let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
     p.sim.mine_mempool();
-    actions::cancel(&mut p.db.pool.get().await.unwrap(), w.id(), "alice").await.unwrap();
+    actions::cancel(&mut p.db.pool.get().await.unwrap(), w.id().get(), "alice").await.unwrap();
     p.scan().await;
-    p.settle(&[&worker], &[w.id()], 4).await;
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Confirmed, "the original paid");
+    p.settle(&[&worker], &[w.id().get()], 4).await;
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Confirmed, "the original paid");
     p.verify().await;
 }
 
@@ -557,21 +557,21 @@ async fn a_reorged_payout_is_sent_again_and_settled_once() {
     let worker = p.worker(BtcConfig { confirmations: 3, ..BtcConfig::default() });
     let w = p.request("w", &p.sim.address(AddrKind::P2wsh, 2), 200_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    let txid: Txid = p.load(w.id()).await.tx_hash().unwrap().parse().unwrap();
+    let txid: Txid = p.load(w.id().get()).await.tx_hash().unwrap().parse().unwrap();
     p.sim.mine_mempool();
     p.scan().await;
     worker.pass().await.unwrap();
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Mined);
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Mined);
     // The block is replaced by two without it.
     p.sim.reorg(1, &[vec![], vec![]]);
     p.scan().await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.unmined, 1, "{report:?}");
     assert!(p.sim.mempool().contains(&txid), "the mined bytes went out again");
-    p.settle(&[&worker], &[w.id()], 6).await;
-    let events = p.events(w.id()).await;
+    p.settle(&[&worker], &[w.id().get()], 6).await;
+    let events = p.events(w.id().get()).await;
     let confirmed = events.iter().filter(|e| matches!(e, WithdrawalEvent::Confirmed { .. })).count();
-    assert_eq!((p.load(w.id()).await.state(), confirmed), (WithdrawalState::Confirmed, 1));
+    assert_eq!((p.load(w.id().get()).await.state(), confirmed), (WithdrawalState::Confirmed, 1));
     p.verify().await;
 }
 
@@ -601,7 +601,7 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     p.scan().await;
     let report = worker.pass().await.unwrap();
     assert_eq!((report.needs_review, report.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{report:?}");
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::NeedsReview);
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::NeedsReview);
     let lane = hot_wallet::lanes_on(&p.db.pool.get().await.unwrap(), Chain::Btc.as_str()).await.unwrap();
     assert!(lane[0].pause_reason.as_deref().unwrap().contains("spent outside the service"));
 
@@ -612,14 +612,15 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     let resolve = |depth| {
         let pool = pool.clone();
         async move {
-            actions::resolve_btc(&mut pool.get().await.unwrap(), id, &actions::Resolution::NotPaid, depth, "dana").await
+            actions::resolve_btc(&mut pool.get().await.unwrap(), id.get(), &actions::Resolution::NotPaid, depth, "dana")
+                .await
         }
     };
     let shallow = resolve(2).await.unwrap_err();
     assert!(shallow.to_string().contains("fewer than 2"), "{shallow}");
     let paid_by = actions::resolve_btc(
         &mut p.db.pool.get().await.unwrap(),
-        w.id(),
+        w.id().get(),
         &actions::Resolution::PaidBy("ab".repeat(32)),
         1,
         "dana",
@@ -649,7 +650,7 @@ async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
     let w = p.request("big", &p.sim.address(AddrKind::P2wpkh, 2), 1_000_000).await.unwrap().withdrawal;
     let report = worker.pass().await.unwrap();
     assert_eq!((report.signed, report.short_lanes.len()), (0, 1), "{report:?}");
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Requested, "no partial payment");
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Requested, "no partial payment");
     assert!(p.sim.mempool().is_empty());
     let short = p.value("select coalesce(shortage, '') from hot_wallet where chain = 'btc'").await;
     assert!(short.contains("300000 spendable satoshis"), "{short}");
@@ -658,8 +659,8 @@ async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
     p.sim.mine(&[top_up]);
     p.sim.mine_empty(6);
     p.scan().await;
-    p.settle(&[&worker], &[w.id()], 4).await;
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Confirmed);
+    p.settle(&[&worker], &[w.id().get()], 4).await;
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Confirmed);
     assert_eq!(p.value("select coalesce(shortage, 'none') from hot_wallet where chain = 'btc'").await, "none");
     p.verify().await;
 }
@@ -670,7 +671,7 @@ async fn replay_rebuilds_btc_attempts_from_their_bytes_and_names_what_was_edited
     let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
     let a = p.request("a", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal;
     let b = p.request("b", &p.sim.address(AddrKind::P2pkh, 3), 150_000).await.unwrap().withdrawal;
-    p.settle(&[&worker], &[a.id(), b.id()], 4).await;
+    p.settle(&[&worker], &[a.id().get(), b.id().get()], 4).await;
     p.verify().await;
     let replay = || async {
         let verified = run(btc_env(&p.db, &p.sim, None), &["replay", "--verify", "--json"]).await;
@@ -726,7 +727,7 @@ async fn a_worker_with_a_stale_coin_set_is_stopped_by_the_reservation_index() {
     let w3 = p.request("w3", &to(3), 300_000).await.unwrap().withdrawal;
     let stale = b.allocate_lane("b0").await.unwrap();
     assert_eq!((stale.signed, stale.short_lanes.len()), (0, 0), "refused by the index, not short: {stale:?}");
-    assert_eq!(p.load(w3.id()).await.state(), WithdrawalState::Requested);
+    assert_eq!(p.load(w3.id().get()).await.state(), WithdrawalState::Requested);
     // Read again, b finds nothing left: the lane is short, nothing paid twice.
     let short = b.allocate_lane("b0").await.unwrap();
     assert_eq!((short.signed, short.short_lanes.len()), (0, 1), "{short:?}");
@@ -741,7 +742,7 @@ async fn a_worker_with_a_stale_coin_set_is_stopped_by_the_reservation_index() {
             .collect();
     assert_eq!(reserved.len(), 2);
     assert!(reserved.iter().all(|(.., n)| *n == 1), "{reserved:?}");
-    assert_ne!(p.load(w1.id()).await.tx_hash(), p.load(w2.id()).await.tx_hash());
+    assert_ne!(p.load(w1.id().get()).await.tx_hash(), p.load(w2.id().get()).await.tx_hash());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -759,7 +760,7 @@ async fn a_batch_waits_to_fill_until_batch_wait_then_goes_as_it_is() {
     // A lone withdrawal goes once it has waited batch_wait (here: none).
     let lone = p.request("w4", &p.sim.address(AddrKind::P2wpkh, 4), 100_000).await.unwrap().withdrawal;
     assert_eq!(p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap().signed, 1);
-    assert_ne!(p.load(lone.id()).await.tx_hash(), p.load(first.id()).await.tx_hash());
+    assert_ne!(p.load(lone.id().get()).await.tx_hash(), p.load(first.id().get()).await.tx_hash());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -779,13 +780,13 @@ async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
     let pass = run(env.clone(), &["work", "--once", "--config", &config]).await;
     assert_eq!(pass.code, 0, "{}{}", pass.stdout, pass.stderr);
     assert_eq!(pass.stdout.trim(), "btc: 1 signed, 1 broadcast", "a report for people, not a debug dump");
-    assert_eq!(p.sim.mempool(), vec![p.load(w.id()).await.tx_hash().unwrap().parse::<Txid>().unwrap()]);
+    assert_eq!(p.sim.mempool(), vec![p.load(w.id().get()).await.tx_hash().unwrap().parse::<Txid>().unwrap()]);
     p.sim.mine_mempool();
     p.scan().await;
     let pass = run(env, &["work", "--once", "--config", &config, "--json"]).await;
     assert_eq!(pass.code, 0, "{}{}", pass.stdout, pass.stderr);
     assert_eq!((pass.json()["btc"]["mined"].as_u64(), pass.json()["btc"]["confirmed"].as_u64()), (Some(1), Some(1)));
-    assert_eq!(p.load(w.id()).await.state(), WithdrawalState::Confirmed);
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Confirmed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -863,8 +864,13 @@ async fn the_withdrawal_listing_pages_and_shows_btc_attempts() {
     let env = btc_env(&p.db, &p.sim, None);
     let first = run(env.clone(), &["withdrawals", "--json", "--limit", "2"]).await;
     assert_eq!(first.code, 0, "{}", first.stderr);
-    let page: Vec<i64> =
-        first.json().as_array().unwrap().iter().map(|e| e["withdrawal"]["id"].as_i64().unwrap()).collect();
+    let page: Vec<WithdrawalId> = first
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| WithdrawalId::new(e["withdrawal"]["id"].as_i64().unwrap()))
+        .collect();
     let mut sorted = ids.clone();
     sorted.sort_unstable();
     assert_eq!(page, sorted[..2]);

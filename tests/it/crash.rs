@@ -80,7 +80,7 @@ async fn resume_funds_pauses(h: &Harness) {
     let mut client = h.db.pool.get().await.unwrap();
     for lane in hot_wallet::lanes(&client).await.unwrap() {
         if lane.pause_reason.as_deref().is_some_and(|r| r.starts_with("hot wallet cannot pay")) {
-            hot_wallet::set_paused(&mut client, &lane.lane, None, "operator").await.unwrap();
+            hot_wallet::set_paused(&mut client, lane.lane.as_str(), None, "operator").await.unwrap();
         }
     }
 }
@@ -187,7 +187,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
                     let (id, _, _) = ids[ids.len() - 1 - rng.below(ids.len().min(3) as u64) as usize];
                     let mut client = h.db.pool.get().await.unwrap();
                     // Too late is an answer too: the payout stands.
-                    let _ = custodian_withdrawals::actions::cancel(&mut client, id, "alice").await;
+                    let _ = custodian_withdrawals::actions::cancel(&mut client, id.get(), "alice").await;
                 }
             }
             ids
@@ -313,7 +313,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
     let client = h.db.pool.get().await.unwrap();
     let (mut confirmed, mut cancelled) = (0, 0);
     for (id, to, amount) in &ids {
-        let w = sql::load(&client, *id).await.unwrap().unwrap();
+        let w = sql::load(&client, id.get()).await.unwrap().unwrap();
         let payments = paid.remove(to).unwrap_or_default();
         match w.state() {
             WithdrawalState::Confirmed => {

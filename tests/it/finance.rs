@@ -45,7 +45,7 @@ async fn finance_exports_the_ledger_and_balances_as_of_a_moment_with_its_read_on
         confirmations: 1,
         ..custodian_withdrawals::btc::BtcConfig::default()
     });
-    p.settle(&[&worker], &[w.id()], 4).await;
+    p.settle(&[&worker], &[w.id().get()], 4).await;
     let after = moment(&p).await;
 
     // Balances as of each moment, from the postings.

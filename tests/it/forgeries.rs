@@ -141,13 +141,13 @@ async fn settled_withdrawal() -> (crate::eth_harness::Harness, i64) {
     let worker = h.worker(custodian_withdrawals::WorkerConfig { confirmations: 1, ..Default::default() });
     let id = w.withdrawal.id();
     h.work_until(&worker, true, "confirmation", |h| {
-        Box::pin(async move { h.state(id).await == WithdrawalState::Confirmed })
+        Box::pin(async move { h.state(id.get()).await == WithdrawalState::Confirmed })
     })
     .await;
     sealed_all(&h.db).await;
     let replay = custodian(h.db.url.expose(), &["replay", "--verify", "--json"]);
     assert_eq!(replay.code, 0, "the honest ledger verifies: {}", replay.stdout);
-    (h, id)
+    (h, id.get())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,8 +39,12 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     let alice = h.funded_account("alice", 100 * ETHER).await;
     let (lane, ids) = on_one_lane(&h, alice, 2).await;
     let worker = h.worker(config(1));
-    let lane =
-        hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap().into_iter().find(|l| l.lane == lane).unwrap();
+    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.lane == lane.as_str())
+        .unwrap();
     assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 2);
     let (w1, w2) = (
         sql::load(&h.db.pool.get().await.unwrap(), ids[0]).await.unwrap().unwrap(),
@@ -48,7 +52,7 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     );
     // Someone with the lane's key consumes both nonces first: the first pays w1's destination
     // what w1 asks, the second pays someone else.
-    let key = h.signers[&lane.lane].clone();
+    let key = h.signers[lane.lane.as_str()].clone();
     let outside = |nonce: u64, to: &str, value: U256| {
         let tx = alloy::consensus::TxEip1559 {
             chain_id: 31337,
@@ -91,7 +95,7 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     let refused = cli(args(&format!("withdrawals resolve --id {} --not-paid", w1.id()))).await;
     assert_eq!(refused.code, 2, "the transaction that consumed w1's nonce paid it: {}", refused.stderr);
     assert!(refused.stderr.contains(&format!("--paid-by {paid}")), "{}", refused.stderr);
-    assert_eq!(h.state(w1.id()).await, WithdrawalState::NeedsReview, "{}", refused.stderr);
+    assert_eq!(h.state(w1.id().get()).await, WithdrawalState::NeedsReview, "{}", refused.stderr);
     assert_eq!(
         h.count("select count(*) from withdrawal_event where event_type = 'resolved'").await,
         0,
@@ -104,10 +108,10 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {paid} --json", w1.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
     assert_eq!(resolved.json()["paid"], true);
-    assert_eq!(h.state(w1.id()).await, WithdrawalState::Confirmed);
+    assert_eq!(h.state(w1.id().get()).await, WithdrawalState::Confirmed);
     let resolved = cli(args(&format!("withdrawals resolve --id {} --not-paid --json", w2.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
-    assert_eq!(h.state(w2.id()).await, WithdrawalState::Cancelled);
+    assert_eq!(h.state(w2.id().get()).await, WithdrawalState::Cancelled);
     let again = cli(args(&format!("withdrawals resolve --id {} --not-paid", w2.id()))).await;
     assert_eq!(again.code, 2, "resolved once: {}", again.stderr);
     assert_eq!(h.available(alice).await, (99 * ETHER).to_string(), "w1 paid, w2's hold released");
@@ -145,7 +149,7 @@ async fn a_retired_lane_takes_no_new_withdrawals_and_finishes_what_it_holds() {
     let listed = cli(args("hot-wallet list --json")).await;
     assert_eq!(listed.json()[0]["retired"], true);
     let worker = h.worker(config(1));
-    work_until_state(&h, &worker, false, held, WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, false, held.get(), WithdrawalState::Confirmed).await;
     h.verify().await;
 }
 
@@ -157,10 +161,10 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     let w = h.request(alice, "deep-1", &destination(60), ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(2));
     worker.pass().await.unwrap();
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
-    let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
+    let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     let hash = confirmed.tx_hash().unwrap().to_owned();
-    let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id())
+    let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get())
         .await
         .unwrap()
         .into_iter()
@@ -184,8 +188,8 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.mine(1).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.needs_review, 1, "{report:?}");
-    assert_eq!(report.paused_lanes, vec![w.lane()]);
-    assert_eq!(h.state(w.id()).await, WithdrawalState::NeedsReview);
+    assert_eq!(report.paused_lanes, vec![w.lane().to_string()]);
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::NeedsReview);
     // Its hold was settled: it holds nothing, and the books still verify.
     let held: String =
         h.db.pool
@@ -219,7 +223,7 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     h.mine(1).await;
     let resolved = cli(args(&format!("withdrawals resolve --id {} --paid-by {hash} --json", w.id()))).await;
     assert_eq!(resolved.code, 0, "{}", resolved.stderr);
-    assert_eq!(h.state(w.id()).await, WithdrawalState::Confirmed);
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::Confirmed);
     assert_eq!(
         h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await,
         1,
@@ -329,7 +333,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     let worker = h.worker(config(1));
     work_until_state(&h, &worker, false, rebalance, WithdrawalState::Confirmed).await;
     let payout = h.request(alice, "out-1", &destination(70), ETHER).await.unwrap().withdrawal;
-    work_until_state(&h, &worker, false, payout.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, false, payout.id().get(), WithdrawalState::Confirmed).await;
     scan_and_post().await;
 
     let mut chain = U256::ZERO;

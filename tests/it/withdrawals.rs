@@ -23,7 +23,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     while by_lane.len() < 2 {
         n += 1;
         let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane().to_owned()).or_insert(w.id());
+        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
     }
     let worker = h.worker(config(1));
     worker.pass().await.unwrap();
@@ -89,7 +89,7 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     }
     let next = next.unwrap();
     h.work_until(&worker, true, "the resumed lane to pay", |h| {
-        Box::pin(async move { h.state(next).await == WithdrawalState::Confirmed })
+        Box::pin(async move { h.state(next.get()).await == WithdrawalState::Confirmed })
     })
     .await;
 }
@@ -324,7 +324,7 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     assert_eq!(second.state(), WithdrawalState::Requested, "0.9 of a 1 ETH day");
     let third = h.request(alice, "d-3", &destination(52), 2 * ETHER / 10).await.unwrap().withdrawal;
     assert_eq!(third.state(), WithdrawalState::AwaitingApproval, "1.1 would pass the daily total");
-    let events = sql::events(&h.db.pool.get().await.unwrap(), third.id()).await.unwrap();
+    let events = sql::events(&h.db.pool.get().await.unwrap(), third.id().get()).await.unwrap();
     assert!(
         events.iter().any(|e| matches!(e, custodian_domain::withdrawal::WithdrawalEvent::AwaitingApproval { reason, .. } if reason == "daily_limit")),
         "{events:?}"
@@ -336,7 +336,7 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
         WithdrawalState::Requested
     );
     // cancelled withdrawals do not count towards the day
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id(), "wallet-app").await.unwrap();
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id().get(), "wallet-app").await.unwrap();
     let by: String =
         h.db.pool
             .get()
@@ -344,7 +344,7 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
             .unwrap()
             .query_one(
                 "select payload ->> 'by' from withdrawal_event where withdrawal_id = $1 and event_type = 'cancelled'",
-                &[&first.id()],
+                &[&first.id().get()],
             )
             .await
             .unwrap()

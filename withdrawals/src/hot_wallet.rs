@@ -1,6 +1,6 @@
 //! Hot wallets: one lane each, the row whose lock serialises every withdrawal leaving it.
 
-use custodian_domain::Nonce;
+use custodian_domain::{LaneName, Nonce};
 use custodian_store::operator::{self, Action};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
@@ -11,7 +11,7 @@ use crate::rpc::{EthNode, NodeError};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Lane {
     /// Lane name.
-    pub lane: String,
+    pub lane: LaneName,
     /// Hot wallet address (lowercase hex).
     pub address: String,
     /// The next nonce we will allocate.
@@ -38,6 +38,9 @@ pub enum HotWalletError {
     /// No such lane.
     #[error("no lane {0:?}")]
     UnknownLane(String),
+    /// Not a lane name: letters, digits, `-` or `_`.
+    #[error(transparent)]
+    BadLaneName(#[from] custodian_domain::LaneNameError),
     /// The lane's key was used outside the service: its nonces must be re-synced first.
     #[error("lane {0:?} was paused because its key was used outside the service: run `custodian hot-wallet resync --lane {0}` before resuming it")]
     NeedsResync(String),
@@ -81,7 +84,7 @@ select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
 /// A [`LANES_ON`] row.
 pub(crate) fn lane_from_row(r: &tokio_postgres::Row) -> Lane {
     Lane {
-        lane: r.get(0),
+        lane: LaneName::parse(r.get(0)).expect("BUG: hot_wallet.lane is checked by the table"),
         address: r.get(1),
         next_nonce: Nonce::from_stored(r.get(2)),
         pause_reason: r.get(3),
@@ -100,6 +103,7 @@ pub async fn add(
     address: &str,
     by: &str,
 ) -> Result<(Lane, bool), HotWalletError> {
+    let name = LaneName::parse(lane)?;
     let parsed: alloy_primitives::Address =
         address.parse().map_err(|_| HotWalletError::UnknownLane(lane.to_owned()))?;
     let pending = node.nonce(parsed, true).await?;
@@ -138,7 +142,7 @@ pub async fn add(
     operator::record(&tx, Action::LaneAdded, by, &details).await?;
     tx.commit().await?;
     let lane = Lane {
-        lane: lane.to_owned(),
+        lane: name,
         address: address.to_owned(),
         next_nonce: next,
         pause_reason: None,
@@ -355,6 +359,7 @@ pub async fn add_btc(
     tip: u64,
     by: &str,
 ) -> Result<(BtcLane, bool), HotWalletError> {
+    LaneName::parse(lane)?;
     let address = key.funding_address().to_string();
     let xpub = key.account_xpub().to_string();
     let tx = client.transaction().await?;

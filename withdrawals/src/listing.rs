@@ -12,6 +12,7 @@ use std::time::SystemTime;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::WithdrawalId;
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 use tokio_postgres::types::ToSql;
@@ -158,8 +159,8 @@ async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>,
         .iter()
         .filter_map(|id| {
             let row = columns.remove(id)?;
-            let withdrawal =
-                Withdrawal::fold(*id, streams.get(id)?).expect("BUG: a projection row whose stream does not fold");
+            let withdrawal = Withdrawal::fold(WithdrawalId::new(*id), streams.get(id)?)
+                .expect("BUG: a projection row whose stream does not fold");
             Some(Listed {
                 withdrawal,
                 symbol: row.get(1),

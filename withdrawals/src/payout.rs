@@ -162,6 +162,7 @@ mod tests {
     use alloy_primitives::address;
     use custodian_domain::withdrawal::WithdrawalEvent;
     use custodian_domain::Amount;
+    use custodian_domain::{AccountId, LaneName, WithdrawalId};
 
     const HOT: Address = address!("70997970c51812dc3a010c7d01b50e0d17dc79c8");
     const DEST: Address = address!("0000000000000000000000000000000051510001");
@@ -169,16 +170,16 @@ mod tests {
 
     fn withdrawal(asset: &str, amount: u64) -> Withdrawal {
         let requested = WithdrawalEvent::Requested {
-            account_id: 1,
+            account_id: AccountId::new(1),
             external_id: "e".into(),
             asset: asset.into(),
             destination: hex(DEST),
             amount: Amount::from_u64(amount),
-            lane: "a".into(),
+            lane: LaneName::parse("a").unwrap(),
             requested_by: "c".into(),
             treasury: false,
         };
-        Withdrawal::fold(1, &[requested]).unwrap()
+        Withdrawal::fold(WithdrawalId::new(1), &[requested]).unwrap()
     }
 
     fn log(address: Address, from: Address, to: Address, value: u64) -> Log {

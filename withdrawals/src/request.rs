@@ -3,6 +3,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::{AccountId, WithdrawalId};
 use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, LedgerAccount, SignedAmount};
 use custodian_store::{ledger, AppendError};
 use serde::Serialize;
@@ -221,7 +222,7 @@ fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
 fn fold_existing(rows: &[tokio_postgres::Row]) -> Option<Withdrawal> {
     let id: i64 = rows.first()?.get(0);
     let events: Vec<WithdrawalEvent> = rows.iter().map(|r| sql::event_from_row(r.get(1), &r.get(2))).collect();
-    Some(Withdrawal::fold(id, &events).expect("BUG: projection row without a requested event"))
+    Some(Withdrawal::fold(WithdrawalId::new(id), &events).expect("BUG: projection row without a requested event"))
 }
 
 /// The earlier withdrawal with the request's external id, if any: returned when it asks for the
@@ -238,7 +239,11 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
     if fields.is_empty() {
         Ok(Requested { withdrawal, created: false })
     } else {
-        Err(RequestError::Conflict { external_id: request.external_id.clone(), existing: withdrawal.id(), fields })
+        Err(RequestError::Conflict {
+            external_id: request.external_id.clone(),
+            existing: withdrawal.id().get(),
+            fields,
+        })
     }
 }
 
@@ -553,10 +558,10 @@ impl Composed {
         };
         let lane = &unlocked.lanes[lane_index(id, unlocked.lanes.len())];
         if let Some(reason) = &lane.pause_reason {
-            return Err(RequestError::LanePaused { lane: lane.lane.clone(), reason: reason.clone() });
+            return Err(RequestError::LanePaused { lane: lane.lane.to_string(), reason: reason.clone() });
         }
         let requested = WithdrawalEvent::Requested {
-            account_id: request.account_id,
+            account_id: AccountId::new(request.account_id),
             external_id: request.external_id.clone(),
             asset: request.asset.clone(),
             destination: request.destination.stored(),
@@ -565,7 +570,8 @@ impl Composed {
             requested_by: request.requested_by.trim().to_owned(),
             treasury: false,
         };
-        let mut withdrawal = Withdrawal::start(id, &requested).expect("BUG: a stream starts with requested");
+        let mut withdrawal =
+            Withdrawal::start(WithdrawalId::new(id), &requested).expect("BUG: a stream starts with requested");
         let awaiting = waits.map(|(limit, reason)| WithdrawalEvent::AwaitingApproval {
             limit: Amount::from_units(limit),
             approvals: policy.approvals,
@@ -582,7 +588,11 @@ impl Composed {
             projected: sql::projection_params(&withdrawal),
             held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
             amount: request.amount.units(),
-            checked: (withdrawal.account_id(), withdrawal.external_id().to_owned(), withdrawal.asset().to_owned()),
+            checked: (
+                withdrawal.account_id().get(),
+                withdrawal.external_id().to_owned(),
+                withdrawal.asset().to_owned(),
+            ),
             withdrawal,
         })
     }
@@ -768,7 +778,7 @@ async fn batch(
     }
     // One order of locks for every batch: by ledger account as text, the order in which the
     // balance trigger and the deposit posting pass touch `user_balance` rows too.
-    together.sort_by_cached_key(|(_, c)| (LedgerAccount::User(c.withdrawal.account_id()).to_string(), c.id));
+    together.sort_by_cached_key(|(_, c)| (LedgerAccount::User(c.withdrawal.account_id().get()).to_string(), c.id));
     if together.len() < 2 {
         return Ok(outcomes); // one is cheaper on its own path
     }
@@ -841,7 +851,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         if withdrawal.asset() != r.asset {
             fields.push("asset");
         }
-        if withdrawal.destination() != to.address || withdrawal.lane() != from.lane {
+        if withdrawal.destination() != to.address || *withdrawal.lane() != from.lane {
             fields.push("lanes");
         }
         if withdrawal.amount() != r.amount {
@@ -850,10 +860,14 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         if fields.is_empty() {
             return Ok(Requested { withdrawal, created: false });
         }
-        return Err(RequestError::Conflict { external_id: r.external_id.clone(), existing: withdrawal.id(), fields });
+        return Err(RequestError::Conflict {
+            external_id: r.external_id.clone(),
+            existing: withdrawal.id().get(),
+            fields,
+        });
     }
     if let Some(reason) = &from.pause_reason {
-        return Err(RequestError::LanePaused { lane: from.lane.clone(), reason: reason.clone() });
+        return Err(RequestError::LanePaused { lane: from.lane.to_string(), reason: reason.clone() });
     }
     if tx.query_opt("select 1 from asset where asset = $1 and chain = 'eth'", &[&r.asset]).await?.is_none() {
         return Err(RequestError::Invalid(format!("unknown asset {:?}", r.asset)));
@@ -863,7 +877,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         &tx,
         id,
         WithdrawalEvent::Requested {
-            account_id: treasury,
+            account_id: AccountId::new(treasury),
             external_id: r.external_id.clone(),
             asset: r.asset.clone(),
             destination: to.address.clone(),

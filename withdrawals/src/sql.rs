@@ -6,6 +6,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::WithdrawalId;
 use custodian_domain::{posting_rules, Nonce};
 use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
@@ -31,7 +32,7 @@ pub fn event_from_row(event_type: &str, payload: &serde_json::Value) -> Withdraw
 /// and posts the transfers the event entails by the posting rules: a stream and its ledger
 /// movements are written together or not at all.
 pub async fn append(tx: &Transaction<'_>, w: &mut Withdrawal, event: WithdrawalEvent) -> Result<(), StoreError> {
-    append_withdrawal_event(tx, w.id(), w.last_seq(), event.event_type(), &event.payload()).await?;
+    append_withdrawal_event(tx, w.id().get(), w.last_seq(), event.event_type(), &event.payload()).await?;
     w.apply(&event);
     write_projection(tx, w).await?;
     post_entailed(tx, w, &event).await?;
@@ -40,7 +41,7 @@ pub async fn append(tx: &Transaction<'_>, w: &mut Withdrawal, event: WithdrawalE
 
 /// Starts a stream with its `requested` event, inserts the projection row and posts the hold.
 pub async fn start(tx: &Transaction<'_>, id: i64, first: WithdrawalEvent) -> Result<Withdrawal, StoreError> {
-    let w = Withdrawal::start(id, &first).expect("BUG: a stream starts with requested");
+    let w = Withdrawal::start(WithdrawalId::new(id), &first).expect("BUG: a stream starts with requested");
     append_withdrawal_event(tx, id, 0, first.event_type(), &first.payload()).await?;
     write_projection(tx, &w).await?;
     post_entailed(tx, &w, &first).await?;
@@ -101,14 +102,14 @@ impl ProjectionParams {
 /// The projection row of `w`, a fold of its stream.
 pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
     ProjectionParams {
-        id: w.id(),
-        account_id: w.account_id(),
+        id: w.id().get(),
+        account_id: w.account_id().get(),
         external_id: w.external_id().to_owned(),
         asset: w.asset().to_owned(),
         destination: w.destination().to_owned(),
         amount: w.amount().units(),
         state: w.state().as_str(),
-        lane: w.lane().to_owned(),
+        lane: w.lane().to_string(),
         from_address: w.from_address().map(str::to_owned),
         nonce: w.nonce().map(Nonce::stored),
         tx_hash: w.tx_hash().map(str::to_owned),
@@ -141,12 +142,12 @@ pub async fn lock(tx: &Transaction<'_>, id: i64) -> Result<Option<Withdrawal>, t
     if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
         return Ok(None);
     }
-    Ok(Withdrawal::fold(id, &events(tx, id).await?))
+    Ok(Withdrawal::fold(WithdrawalId::new(id), &events(tx, id).await?))
 }
 
 /// Folds `id`'s stream without locking.
 pub async fn load<C: GenericClient>(client: &C, id: i64) -> Result<Option<Withdrawal>, tokio_postgres::Error> {
-    Ok(Withdrawal::fold(id, &events(client, id).await?))
+    Ok(Withdrawal::fold(WithdrawalId::new(id), &events(client, id).await?))
 }
 
 /// [`load`] for each of `ids` in one query, in the order given.
@@ -165,7 +166,10 @@ pub async fn load_many<C: GenericClient>(
     for r in &rows {
         streams.entry(r.get(0)).or_default().push(event_from_row(r.get(1), &r.get(2)));
     }
-    Ok(ids.iter().map(|id| streams.get(id).and_then(|events| Withdrawal::fold(*id, events))).collect())
+    Ok(ids
+        .iter()
+        .map(|id| streams.get(id).and_then(|events| Withdrawal::fold(WithdrawalId::new(*id), events)))
+        .collect())
 }
 
 /// Posts what `event`, just appended to `w`'s stream, entails ([`posting_rules::entailed`]);
@@ -318,7 +322,7 @@ pub async fn insert_attempt(
          values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         &[
             &a.hash,
-            &w.id(),
+            &w.id().get(),
             &a.from,
             &a.nonce.stored(),
             &a.kind.as_str(),

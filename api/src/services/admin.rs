@@ -28,7 +28,7 @@ fn hot_wallet(lane: Lane) -> pb::HotWallet {
     pb::HotWallet {
         chain: wire::chain_to_pb(Chain::Eth),
         address: wire::display_address(Chain::Eth, &lane.address),
-        lane: lane.lane,
+        lane: lane.lane.to_string(),
         next_nonce: lane.next_nonce.stored(),
         paused: lane.pause_reason.is_some(),
         pause_reason: lane.pause_reason,

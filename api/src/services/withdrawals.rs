@@ -32,8 +32,8 @@ impl WithdrawalsService {
 fn withdrawal(listed: Listed) -> pb::Withdrawal {
     let Listed { withdrawal: w, symbol, decimals, requested_at, updated_at, attempts } = listed;
     pb::Withdrawal {
-        id: w.id(),
-        account_id: Some(w.account_id()),
+        id: w.id().get(),
+        account_id: Some(w.account_id().get()),
         external_id: w.external_id().to_owned(),
         asset: w.asset().to_owned(),
         symbol,
@@ -41,7 +41,7 @@ fn withdrawal(listed: Listed) -> pb::Withdrawal {
         amount: w.amount().to_string(),
         amount_display: w.amount().to_decimal_string(decimals),
         state: wire::state_to_pb(w.state()),
-        lane: w.lane().to_owned(),
+        lane: w.lane().to_string(),
         from_address: w.from_address().map(|a| wire::display_address(Chain::Eth, a)),
         nonce: w.nonce().map(Nonce::get),
         tx_hash: w.tx_hash().map(str::to_owned),
@@ -147,9 +147,9 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         // Written with the requests of other callers, on a connection of its batch's.
         let outcome = self.state.requests.request(parsed.clone()).await.map_err(status::request)?;
         if outcome.created {
-            tracing::info!(id = outcome.withdrawal.id(), account = parsed.account_id, "withdrawal requested");
+            tracing::info!(id = %outcome.withdrawal.id(), account = parsed.account_id, "withdrawal requested");
         }
-        let withdrawal = load(&self.state.client().await?, outcome.withdrawal.id()).await?;
+        let withdrawal = load(&self.state.client().await?, outcome.withdrawal.id().get()).await?;
         Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))
     }
 

@@ -276,16 +276,20 @@ impl BtcWorker {
         let Some(tip) = self.tip().await? else { return Ok(report) };
         let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
         for lane in lanes {
-            let Some(key) = self.keys.get(&lane.lane) else { continue };
+            let Some(key) = self.keys.get(lane.lane.as_str()) else { continue };
             let key_address = key.funding_address().to_string();
             if key_address != lane.address {
-                return Err(WorkError::WrongKey { lane: lane.lane, key_address, lane_address: lane.address });
+                return Err(WorkError::WrongKey {
+                    lane: lane.lane.to_string(),
+                    key_address,
+                    lane_address: lane.address,
+                });
             }
             if let Err(e) = self.lane_pass(&lane, key, tip, &mut report).await {
                 if e.is_fatal() {
                     return Err(e);
                 }
-                metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
                 tracing::warn!(lane = %lane.lane, "the BTC lane's pass failed; the other lanes go on: {e}");
                 report.lane_errors.push(format!("{}: {e}", lane.lane));
             }
@@ -305,7 +309,10 @@ impl BtcWorker {
             .pool
             .get()
             .await?
-            .query_one("select paused_at is not null from hot_wallet where chain = 'btc' and lane = $1", &[&lane.lane])
+            .query_one(
+                "select paused_at is not null from hot_wallet where chain = 'btc' and lane = $1",
+                &[&lane.lane.as_str()],
+            )
             .await?
             .get::<_, bool>(0);
         if paused {
@@ -374,7 +381,8 @@ impl BtcWorker {
             ),
         )?;
         // First round trip: BEGIN and the lane and withdrawal locks.
-        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane, &self.config.batch_max, &wait_ms]).await?;
+        let (tx, rows) =
+            Pipelined::begin_with(client, &lock, &[&lane.lane.as_str(), &self.config.batch_max, &wait_ms]).await?;
         let Some(first) = rows.first() else {
             tx.rollback().await?;
             return Ok(());
@@ -400,30 +408,29 @@ impl BtcWorker {
             match verified_request(row, 4) {
                 Ok(w) => match BtcAddress::parse(w.destination(), self.config.network) {
                     Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
-                    Err(e) => {
-                        tampered.push((w.id(), format!("its destination cannot be paid: {e}; nothing was signed")))
-                    }
+                    Err(e) => tampered
+                        .push((w.id().get(), format!("its destination cannot be paid: {e}; nothing was signed"))),
                 },
                 Err((id, reason)) => tampered.push((id, reason)),
             }
         }
         if !tampered.is_empty() {
             tx.rollback().await?;
-            crate::worker::review_tampered(&self.pool, "btc", &lane.lane, tampered).await?;
+            crate::worker::review_tampered(&self.pool, "btc", lane.lane.as_str(), tampered).await?;
             return Ok(());
         }
         // The spendable set changes only with new blocks (and our own reservations, taken out of
         // the cache as they are made): one read serves every allocation at a tip. A cached set
         // that cannot pay is read again before the lane is called short.
-        let cached = self.cached_coins(&lane.lane, &at);
+        let cached = self.cached_coins(lane.lane.as_str(), &at);
         let fresh = cached.is_none();
         let mut coins = match cached {
             Some(coins) => coins,
-            None => read_coins(&tx, &spendable, &lane.lane).await?,
+            None => read_coins(&tx, &spendable, lane.lane.as_str()).await?,
         };
         let mut chosen = choose(&coins, &ready, rate);
         if chosen.is_none() && !fresh {
-            coins = read_coins(&tx, &spendable, &lane.lane).await?;
+            coins = read_coins(&tx, &spendable, lane.lane.as_str()).await?;
             chosen = choose(&coins, &ready, rate);
         }
         let Some((take, selection)) = chosen else {
@@ -434,12 +441,12 @@ impl BtcWorker {
                 held,
                 coins.len()
             );
-            tx.commit_with(&[(&set_short, &[&lane.lane, &short])]).await?;
+            tx.commit_with(&[(&set_short, &[&lane.lane.as_str(), &short])]).await?;
             if shortage.is_none() {
                 tracing::error!(lane = %lane.lane, %short, "ALERT: BTC hot wallet short; its withdrawals wait");
-                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.to_string()).increment(1);
             }
-            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(1.0);
+            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.to_string()).set(1.0);
             report.short_lanes.push(format!("{}: {short}", lane.lane));
             return Ok(());
         };
@@ -461,7 +468,7 @@ impl BtcWorker {
         let txid = signed.compute_txid().to_string();
         let raw = serialize(&signed);
         let vsize = i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes");
-        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id()).collect();
+        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id().get()).collect();
         let vouts: Vec<i32> = (0..ready.len()).map(|i| i32::try_from(i).expect("BUG: batch beyond i32")).collect();
         let weights: Vec<i32> = ready
             .iter()
@@ -497,7 +504,7 @@ impl BtcWorker {
         let change_text = change_address.as_ref().map(ToString::to_string);
         let fee = U256::from(selection.fee);
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 19] = [
-            &lane.lane,
+            &lane.lane.as_str(),
             &change_index,
             &change_text,
             &txid,
@@ -517,7 +524,7 @@ impl BtcWorker {
             &address,
             &next,
         ];
-        let lane_name: &(dyn tokio_postgres::types::ToSql + Sync) = &lane.lane;
+        let lane_name: &(dyn tokio_postgres::types::ToSql + Sync) = &lane.lane.as_str();
         let clear: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [lane_name];
         let mut writes: Vec<(&tokio_postgres::Statement, custodian_store::pipeline::Params<'_>)> =
             vec![(&write, &params)];
@@ -529,22 +536,22 @@ impl BtcWorker {
             Err(e) if custodian_store::is_unique_violation(&e, Some("utxo_reservation_live")) => {
                 // Another worker reserved one of these coins first: the database refused the second
                 // reservation. Read the coins again next time.
-                self.forget_coins(&lane.lane);
+                self.forget_coins(lane.lane.as_str());
                 tracing::info!(lane = %lane.lane, "a coin was reserved by another worker first; allocated again next pass");
                 return Ok(());
             }
             Err(e) => {
-                self.forget_coins(&lane.lane);
+                self.forget_coins(lane.lane.as_str());
                 return Err(e.into());
             }
             Ok(()) => {}
         }
         if was_short {
-            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(0.0);
+            metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.to_string()).set(0.0);
         }
         let reserved: HashSet<OutPoint> = spent.iter().map(|c| c.outpoint).collect();
         coins.retain(|c| !reserved.contains(&c.outpoint));
-        self.keep_coins(&lane.lane, at, coins);
+        self.keep_coins(lane.lane.as_str(), at, coins);
         metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(ids.len() as u64);
         metrics::histogram!("custodian_btc_batch_size").record(ids.len() as f64);
         report.signed += ids.len() as u64;
@@ -624,7 +631,7 @@ impl BtcWorker {
         let client = self.pool.get().await?;
         let open = Self::open_spends(
             &client,
-            &lane.lane,
+            lane.lane.as_str(),
             &[
                 WithdrawalState::Signed,
                 WithdrawalState::Broadcast,
@@ -659,20 +666,20 @@ impl BtcWorker {
                     outside.get::<_, String>(4),
                 );
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a reserved coin was spent outside the service");
-                metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.to_string()).increment(1);
                 let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
                 let still = |w: &Withdrawal| w.state() != WithdrawalState::NeedsReview && w.holds_funds();
                 report.needs_review += self.record_all(spend, still, &event).await?;
                 if sql::pause_lane_on(
                     &client,
                     "btc",
-                    &lane.lane,
+                    lane.lane.as_str(),
                     &format!("a reserved coin was spent outside the service: {reason}"),
                     false,
                 )
                 .await?
                 {
-                    report.paused_lanes.push(lane.lane.clone());
+                    report.paused_lanes.push(lane.lane.to_string());
                 }
                 continue;
             }
@@ -748,7 +755,7 @@ impl BtcWorker {
     async fn broadcast(&self, lane: &Lane, tip: u64, report: &mut PassReport) -> Result<HashSet<i64>, WorkError> {
         let client = self.pool.get().await?;
         let mut refused = HashSet::new();
-        for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
+        for spend in Self::open_spends(&client, lane.lane.as_str(), &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
             let attempt = Self::attempt(&client, &live).await?;
@@ -770,11 +777,11 @@ impl BtcWorker {
                     // Spent in a block: by one of our siblings (settled once the scanner sees the
                     // block) or by someone else (needs_review, from the same observation).
                     tracing::warn!(lane = %lane.lane, tx = %live, %message, "inputs already spent; settlement decides from the chain");
-                    metrics::counter!("custodian_btc_inputs_spent_total", "lane" => lane.lane.clone()).increment(1);
+                    metrics::counter!("custodian_btc_inputs_spent_total", "lane" => lane.lane.to_string()).increment(1);
                 }
                 Sent::Refused(message) => {
                     tracing::error!(lane = %lane.lane, tx = %live, %message, "ALERT: the node refused a signed BTC transaction");
-                    metrics::counter!("custodian_btc_broadcast_refused_total", "lane" => lane.lane.clone())
+                    metrics::counter!("custodian_btc_broadcast_refused_total", "lane" => lane.lane.to_string())
                         .increment(1);
                 }
             }
@@ -821,7 +828,7 @@ impl BtcWorker {
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         let client = self.pool.get().await?;
-        for spend in Self::open_spends(&client, &lane.lane, &UNMINED).await? {
+        for spend in Self::open_spends(&client, lane.lane.as_str(), &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let accepted = w.state() != WithdrawalState::Signed && w.attempt_at_block().is_some();
             let aged = accepted && w.attempt_at_block().is_some_and(|at| tip >= at + self.config.bump_after_blocks);
@@ -868,7 +875,7 @@ impl BtcWorker {
                 if n > 0 {
                     tracing::error!(lane = %lane.lane, tx = %live, cap_sat_per_kvb = self.config.max_fee_rate.0,
                         "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from)");
-                    metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.clone()).increment(1);
+                    metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
                     report.fee_cap_reached += 1;
                 }
                 continue;
@@ -911,7 +918,7 @@ impl BtcWorker {
             .query_one(
                 "select b.next_change_index from hot_wallet h join btc_hot_wallet b on b.chain = h.chain and b.lane = h.lane
                   where h.chain = 'btc' and h.lane = $1 for update of h, b",
-                &[&lane.lane],
+                &[&lane.lane.as_str()],
             )
             .await?
             .get(0);
@@ -929,12 +936,12 @@ impl BtcWorker {
             }
             tx.execute(
                 "insert into btc_change_address (lane, derivation_index, address) values ($1, $2, $3)",
-                &[&lane.lane, index, address],
+                &[&lane.lane.as_str(), index, address],
             )
             .await?;
             tx.execute(
                 "update btc_hot_wallet set next_change_index = $2 where chain = 'btc' and lane = $1",
-                &[&lane.lane, &(index + 1)],
+                &[&lane.lane.as_str(), &(index + 1)],
             )
             .await?;
         }
@@ -958,7 +965,7 @@ impl BtcWorker {
             sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: txid.clone(), at_block: tip }).await?;
         }
         tx.commit().await?;
-        metrics::counter!("custodian_bumps_total", "lane" => lane.lane.clone()).increment(1);
+        metrics::counter!("custodian_bumps_total", "lane" => lane.lane.to_string()).increment(1);
         Ok(true)
     }
 
@@ -973,7 +980,7 @@ impl BtcWorker {
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         let client = self.pool.get().await?;
-        for spend in Self::open_spends(&client, &lane.lane, &[WithdrawalState::CancelRequested]).await? {
+        for spend in Self::open_spends(&client, lane.lane.as_str(), &[WithdrawalState::CancelRequested]).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
             let attempt = Self::attempt(&client, &live).await?;
@@ -994,13 +1001,13 @@ impl BtcWorker {
             );
             let Some((fee, _)) = priced.filter(|(fee, _)| inputs.saturating_sub(*fee) >= CHANGE_DUST) else {
                 tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap; the original stands");
-                metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
                 continue;
             };
             let index: i32 = client
                 .query_one(
                     "select next_change_index from btc_hot_wallet where chain = 'btc' and lane = $1",
-                    &[&lane.lane],
+                    &[&lane.lane.as_str()],
                 )
                 .await?
                 .get(0);

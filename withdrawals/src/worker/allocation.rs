@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use alloy_primitives::{Address, U256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::Amount;
+use custodian_domain::WithdrawalId;
 
 use super::nonce_allocator::Pricing;
 use super::{PassReport, WorkError, Worker};
@@ -47,7 +48,7 @@ pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Resul
     let payloads: Vec<serde_json::Value> = row.get::<_, Option<Vec<serde_json::Value>>>(first + 7).unwrap_or_default();
     let stream: Result<Vec<WithdrawalEvent>, _> =
         types.iter().zip(&payloads).map(|(t, p)| WithdrawalEvent::from_stored(t, p)).collect();
-    let folded = stream.ok().and_then(|events| Withdrawal::fold(id, &events));
+    let folded = stream.ok().and_then(|events| Withdrawal::fold(WithdrawalId::new(id), &events));
     let row_seq: i32 = row.get(first + 5);
     let Some(folded) = folded else {
         return Err((
@@ -67,7 +68,7 @@ pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Resul
         ));
     }
     let fact = PaidAs {
-        account_id: folded.account_id(),
+        account_id: folded.account_id().get(),
         asset: folded.asset().to_owned(),
         destination: folded.destination().to_owned(),
         amount: folded.amount(),
@@ -119,7 +120,7 @@ impl Worker {
         let client = self.pool.get().await?;
         let batch = usize::try_from(self.config.batch_size).expect("BUG: negative batch").max(1);
         let pass = batch.saturating_mul(MAX_BATCHES_PER_PASS);
-        let candidates = sql::in_state(&client, &lane.lane, WithdrawalState::Requested, Some(pass)).await?;
+        let candidates = sql::in_state(&client, lane.lane.as_str(), WithdrawalState::Requested, Some(pass)).await?;
         if candidates.is_empty() {
             self.set_shortage(lane, None).await?;
             return Ok(0);
@@ -221,7 +222,7 @@ impl Worker {
             Ok(_) => Some("the token's transfer returned false".to_owned()),
             Err(e) if e.is_revert() => Some(format!("simulation reverted: {e}")),
             Err(e) => {
-                tracing::warn!(withdrawal = w.id(), "simulation failed, retried next pass (no nonce used): {e}");
+                tracing::warn!(withdrawal = %w.id(), "simulation failed, retried next pass (no nonce used): {e}");
                 return Ok(None);
             }
         };
@@ -232,7 +233,7 @@ impl Worker {
                 Err(e) if e.is_revert() => format!("simulation reverted: {e}"),
                 Err(e) => {
                     tracing::warn!(
-                        withdrawal = w.id(),
+                        withdrawal = %w.id(),
                         "estimating gas failed, retried next pass (no nonce used): {e}"
                     );
                     return Ok(None);
@@ -240,7 +241,7 @@ impl Worker {
             },
         };
         let rejected = WithdrawalEvent::Rejected { reason: refusal };
-        if self.record(w.id(), |w| w.state() == WithdrawalState::Requested, rejected).await? {
+        if self.record(w.id().get(), |w| w.state() == WithdrawalState::Requested, rejected).await? {
             report.rejected += 1;
         }
         Ok(None)
@@ -250,7 +251,7 @@ impl Worker {
     /// token amounts in flight are kept for [`Worker::token_left`].
     async fn funds(&self, lane: &Lane, hot_wallet: Address) -> Result<Funds, WorkError> {
         let ether = self.node.balance(hot_wallet).await?;
-        let rows = self.pool.get().await?.query(IN_FLIGHT, &[&lane.lane]).await?;
+        let rows = self.pool.get().await?.query(IN_FLIGHT, &[&lane.lane.as_str()]).await?;
         let mut worst: HashMap<i64, U256> = HashMap::new();
         let mut in_flight_tokens: HashMap<String, U256> = HashMap::new();
         let mut counted = std::collections::HashSet::new();
@@ -306,18 +307,18 @@ impl Worker {
                    from old
                   where h.chain = 'eth' and h.lane = $1 and h.shortage is distinct from $2
                  returning old.shortage",
-                &[&lane.lane, &shortage],
+                &[&lane.lane.as_str(), &shortage],
             )
             .await?;
         let before: Option<Option<String>> = changed.map(|row| row.get(0));
-        metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.clone()).set(if shortage.is_some() {
+        metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.to_string()).set(if shortage.is_some() {
             1.0
         } else {
             0.0
         });
         match (&before, &shortage) {
             (Some(None), Some(reason)) => {
-                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.clone()).increment(1);
+                metrics::counter!("custodian_hot_wallet_shortages_total", "lane" => lane.lane.to_string()).increment(1);
                 tracing::error!(lane = %lane.lane, %reason,
                     "ALERT: the hot wallet is short; its withdrawals wait until it is topped up");
             }
@@ -339,7 +340,7 @@ pub(crate) async fn review_tampered(
     tampered: Vec<(i64, String)>,
 ) -> Result<(), WorkError> {
     for (id, reason) in tampered {
-        tracing::error!(withdrawal = id, lane, %reason, "ALERT: withdrawal projection tampered with");
+        tracing::error!(withdrawal = %id, lane, %reason, "ALERT: withdrawal projection tampered with");
         metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
@@ -352,7 +353,9 @@ pub(crate) async fn review_tampered(
             .iter()
             .map(|r| WithdrawalEvent::from_stored(r.get(0), &r.get(1)))
             .collect();
-        let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(id, &events)) else { continue };
+        let Some(mut w) = events.ok().and_then(|events| Withdrawal::fold(WithdrawalId::new(id), &events)) else {
+            continue;
+        };
         if !w.holds_funds() {
             // Settled, cancelled or refused: its money is where its events put it. Put the
             // row back as the stream says; there is nothing left for a person to decide.

@@ -59,7 +59,7 @@ impl Worker {
                         (select count(*) from withdrawal_attempt a where a.withdrawal_id = w.id)
                    from withdrawal w
                   where w.chain = 'eth' and w.lane = $1 and w.state = any($2) order by w.id",
-                &[&lane.lane, &UNMINED.iter().map(|s| s.as_str()).collect::<Vec<_>>()],
+                &[&lane.lane.as_str(), &UNMINED.iter().map(|s| s.as_str()).collect::<Vec<_>>()],
             )
             .await?;
         let ids: Vec<i64> = candidates
@@ -118,7 +118,7 @@ impl Worker {
                     event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(accepted_at) },
                 }),
                 Sent::Accepted => {
-                    tracing::info!(withdrawal = id, tx = %live.tx_hash, "the node had lost the attempt; sent the same bytes again");
+                    tracing::info!(withdrawal = %id, tx = %live.tx_hash, "the node had lost the attempt; sent the same bytes again");
                     report.rebroadcast += 1;
                 }
                 Sent::Underpriced => {

@@ -395,17 +395,17 @@ impl Worker {
         let chain_id = self.chain_id().await?;
         let mut parts = Vec::new();
         for lane in lanes {
-            let Some(signer) = self.signers.get(&lane.lane) else { continue };
+            let Some(signer) = self.signers.get(lane.lane.as_str()) else { continue };
             if hex(signer.address()) != lane.address {
                 return Err(WorkError::WrongKey {
-                    lane: lane.lane,
+                    lane: lane.lane.to_string(),
                     key_address: hex(signer.address()),
                     lane_address: lane.address,
                 });
             }
             // Each lane's part is independent: a lane failing transiently (its node calls, its
             // rows) is logged, counted and backed off with jitter, and the other lanes go on.
-            if self.backing_off(&lane.lane) {
+            if self.backing_off(lane.lane.as_str()) {
                 continue;
             }
             parts.push(async move {
@@ -421,14 +421,17 @@ impl Worker {
             report.merge(part);
             match result {
                 Ok(()) => {
-                    self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&lane.lane);
+                    self.lane_backoff
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .remove(lane.lane.as_str());
                 }
                 Err(e) if e.is_fatal() => {
                     fatal.get_or_insert(e);
                 }
                 Err(e) => {
-                    let wait = self.lane_failed(&lane.lane);
-                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.clone()).increment(1);
+                    let wait = self.lane_failed(lane.lane.as_str());
+                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
                     tracing::warn!(lane = %lane.lane, retry_in_ms = wait.as_millis() as u64,
                         "the lane's pass failed; the other lanes go on: {e}");
                     report.lane_errors.push(format!("{}: {e}", lane.lane));
@@ -514,7 +517,7 @@ impl Worker {
     pub async fn allocate_lane(&self, lane: &Lane) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
         let chain_id = self.chain_id().await?;
-        if let Some(signer) = self.signers.get(&lane.lane) {
+        if let Some(signer) = self.signers.get(lane.lane.as_str()) {
             self.allocate(lane, signer.as_ref(), chain_id, &mut report).await?;
         }
         Ok(report)
@@ -548,8 +551,8 @@ impl Worker {
         needs_resync: bool,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
-        if sql::pause_lane(&self.pool.get().await?, &lane.lane, reason, needs_resync).await? {
-            report.paused_lanes.push(lane.lane.clone());
+        if sql::pause_lane(&self.pool.get().await?, lane.lane.as_str(), reason, needs_resync).await? {
+            report.paused_lanes.push(lane.lane.to_string());
         }
         Ok(())
     }

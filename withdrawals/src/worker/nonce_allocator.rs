@@ -159,7 +159,7 @@ impl Worker {
         )?;
         // First round trip: BEGIN, then lock the lane's row (every allocation on the lane
         // serialises here) and the withdrawals still requested that no other worker holds.
-        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane, &ids]).await?;
+        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane.as_str(), &ids]).await?;
         let Some(first) = rows.first() else {
             tx.rollback().await?;
             return Ok(0);
@@ -190,7 +190,7 @@ impl Worker {
             unsigned.push(TxEip1559 {
                 chain_id,
                 nonce: nonce.get(),
-                gas_limit: gas[&w.id()],
+                gas_limit: gas[&w.id().get()],
                 max_fee_per_gas: max_fee.to::<u128>(),
                 max_priority_fee_per_gas: priority_fee.to::<u128>(),
                 to: TxKind::Call(to),
@@ -198,7 +198,7 @@ impl Worker {
                 input,
                 ..Default::default()
             });
-            batch.ids.push(w.id());
+            batch.ids.push(w.id().get());
             batch.nonces.push(nonce.stored());
             batch.seqs.push(w.last_seq() + 1);
             nonce = nonce.next();
@@ -206,7 +206,7 @@ impl Worker {
         if !tampered.is_empty() {
             // Sign nothing: someone changed what a withdrawal pays behind the event stream.
             tx.rollback().await?;
-            review_tampered(&self.pool, "eth", &lane.lane, tampered).await?;
+            review_tampered(&self.pool, "eth", lane.lane.as_str(), tampered).await?;
             return Ok(0);
         }
         for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
@@ -232,7 +232,7 @@ impl Worker {
         tx.commit_with(&[(
             &write,
             &[
-                &lane.lane,
+                &lane.lane.as_str(),
                 &lane.address,
                 &batch.ids,
                 &batch.nonces,

@@ -46,7 +46,8 @@ impl Worker {
         signer: &dyn Signer,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
-        let ids = sql::in_state(&self.pool.get().await?, &lane.lane, WithdrawalState::CancelRequested, None).await?;
+        let ids =
+            sql::in_state(&self.pool.get().await?, lane.lane.as_str(), WithdrawalState::CancelRequested, None).await?;
         for id in ids {
             match self.replace(lane, signer, id, Why::Cancel, None).await? {
                 Replaced::Signed => report.cancel_attempts += 1,
@@ -75,7 +76,7 @@ impl Worker {
                 "select id, nonce from withdrawal
                   where chain = 'eth' and lane = $1 and state in ('signed', 'broadcast', 'cancel_requested')
                   order by nonce limit 1",
-                &[&lane.lane],
+                &[&lane.lane.as_str()],
             )
             .await?;
         drop(client);
@@ -136,7 +137,8 @@ impl Worker {
         let head = self.node.block_number().await?;
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        tx.query_one("select 1 from hot_wallet where chain = 'eth' and lane = $1 for update", &[&lane.lane]).await?;
+        tx.query_one("select 1 from hot_wallet where chain = 'eth' and lane = $1 for update", &[&lane.lane.as_str()])
+            .await?;
         let Some(mut w) = sql::lock(&tx, id).await? else { return Ok(Replaced::NotDue) };
         let attempts = sql::attempts(&tx, id).await?;
         let due = match why {
@@ -164,9 +166,9 @@ impl Worker {
             };
             sql::append(&tx, &mut w, event).await?;
             tx.commit().await?;
-            metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.clone()).increment(1);
+            metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
             tracing::error!(
-                withdrawal = id, lane = %lane.lane, cap = %cap, tx = %live.tx_hash,
+                withdrawal = %id, lane = %lane.lane, cap = %cap, tx = %live.tx_hash,
                 "ALERT: the lowest open nonce cannot be replaced within the fee cap ([eth] max_fee_per_gas_wei); \
                  the lane waits behind it until the base fee falls or the cap is raised"
             );
@@ -203,7 +205,7 @@ impl Worker {
         tx.commit().await?;
         metrics::counter!("custodian_bumps_total", "kind" => kind.as_str()).increment(1);
         if let Err(e) = self.node.send_raw(&signed.raw).await {
-            tracing::warn!(withdrawal = id, %hash, "sending the {kind} attempt failed; retried next pass: {e}");
+            tracing::warn!(withdrawal = %id, %hash, "sending the {kind} attempt failed; retried next pass: {e}");
         }
         Ok(Replaced::Signed)
     }

@@ -29,7 +29,7 @@ impl Worker {
         // the streams of the rest are not even read.
         let mut used = Vec::new();
         let mut used_ids = Vec::new();
-        for (id, nonce) in sql::nonces_in_states(&client, &lane.lane, &UNMINED).await? {
+        for (id, nonce) in sql::nonces_in_states(&client, lane.lane.as_str(), &UNMINED).await? {
             let Some(nonce) = nonce.filter(|n| *n < mined_count) else {
                 self.clear_suspect(id);
                 continue;
@@ -70,11 +70,11 @@ impl Worker {
                     });
                 }
                 None if self.node.block_hash(head).await? != head_hash => {
-                    tracing::info!(withdrawal = id, "the chain moved while settling; looked at again next pass");
+                    tracing::info!(withdrawal = %id, "the chain moved while settling; looked at again next pass");
                 }
                 None if !self.seen_again(id, head) => {
                     tracing::warn!(
-                        withdrawal = id,
+                        withdrawal = %id,
                         %nonce,
                         "the chain counts our nonce as used but none of our attempts has \
                         a receipt; looked at again at a later block before raising it"
@@ -87,7 +87,7 @@ impl Worker {
                     );
                     metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
                         .increment(1);
-                    tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
+                    tracing::error!(withdrawal = %id, lane = %lane.lane, "ALERT: {reason}");
                     if self
                         .record(
                             id,
@@ -104,7 +104,7 @@ impl Worker {
         }
         let recorded = super::record_all(&self.pool, mined_now).await?;
         report.mined += recorded.iter().filter(|r| **r).count() as u64;
-        let mined_ids = sql::in_state(&client, &lane.lane, WithdrawalState::Mined, None).await?;
+        let mined_ids = sql::in_state(&client, lane.lane.as_str(), WithdrawalState::Mined, None).await?;
         let mined: Vec<Withdrawal> = sql::load_many(&client, &mined_ids)
             .await?
             .into_iter()
@@ -131,12 +131,12 @@ impl Worker {
                 // lost a receipt (a lagging replica, an answer from a stale block) is not a reorg.
                 let height = w.mined_block_number().expect("BUG: mined without a height");
                 if self.node.block_hash(height).await?.map(hex).as_deref() == Some(mined_in.as_str()) {
-                    tracing::warn!(withdrawal = id, %tx_hash, "the node has the mined block but no receipt for it; asked again next pass");
+                    tracing::warn!(withdrawal = %id, %tx_hash, "the node has the mined block but no receipt for it; asked again next pass");
                     continue;
                 }
-                tracing::warn!(withdrawal = id, %tx_hash, block = %mined_in, "mined block reorged out; the mined bytes go out again");
+                tracing::warn!(withdrawal = %id, %tx_hash, block = %mined_in, "mined block reorged out; the mined bytes go out again");
                 if self
-                    .record(id, &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in })
+                    .record(id.get(), &still_mined_there, WithdrawalEvent::Unmined { tx_hash, block_hash: mined_in })
                     .await?
                 {
                     report.unmined += 1;
@@ -151,7 +151,7 @@ impl Worker {
             let event = outcome(&w, address, mined, &receipt, &mined_in);
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
             settled.push((
-                Recording { id, still: Box::new(still_mined_there), event: event.clone() },
+                Recording { id: id.get(), still: Box::new(still_mined_there), event: event.clone() },
                 event,
                 short_paid,
             ));
@@ -215,8 +215,8 @@ impl Worker {
                 w.mined_block_number().map_or("?".to_owned(), |h| h.to_string()),
                 self.config.confirmations
             );
-            metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.clone()).increment(1);
-            tracing::error!(withdrawal = id, lane = %lane.lane, "ALERT: {reason}");
+            metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.to_string()).increment(1);
+            tracing::error!(withdrawal = %id, lane = %lane.lane, "ALERT: {reason}");
             let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
             if self.record(id, |w| w.state() == WithdrawalState::Confirmed, event).await? {
                 report.needs_review += 1;
@@ -266,7 +266,7 @@ impl Worker {
                                  where chain = 'eth' and lane = $1
                                    and state in ('signed', 'broadcast', 'cancel_requested', 'mined'))
                    from hot_wallet where chain = 'eth' and lane = $1",
-                &[&lane.lane],
+                &[&lane.lane.as_str()],
             )
             .await?;
         let (next, in_flight): (i64, bool) = (row.get(0), row.get(1));
@@ -278,7 +278,7 @@ impl Worker {
                 .increment(1);
             self.pause_for_resync(lane, &reason, report).await?;
         } else if pending < next && !in_flight {
-            metrics::counter!("custodian_nonce_gap_alerts_total", "lane" => lane.lane.clone()).increment(1);
+            metrics::counter!("custodian_nonce_gap_alerts_total", "lane" => lane.lane.to_string()).increment(1);
             report.nonce_gaps.push(format!("{}: chain nonce {pending}, ours {next}", lane.lane));
             tracing::error!(
                 lane = %lane.lane, %pending, %next,
@@ -310,7 +310,7 @@ fn outcome(
             if intent != mined.intent {
                 // A label recorded before intents were (a bump of a cancel was once called a
                 // bump): the bytes decide, and the disagreement is logged.
-                tracing::warn!(withdrawal = w.id(), %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
+                tracing::warn!(withdrawal = %w.id(), %tx_hash, recorded = mined.intent.as_str(), decoded = intent.as_str(),
                     "the mined attempt's recorded intent disagrees with its bytes; settled by the bytes");
             }
             settle_as(w, intent, hot_wallet, tx_hash, block_hash, receipt)
@@ -320,7 +320,7 @@ fn outcome(
                 "attempt {tx_hash} mined, but its bytes pay neither the withdrawal ({}) nor a cancel",
                 w.destination()
             );
-            tracing::error!(withdrawal = w.id(), "ALERT: {reason}");
+            tracing::error!(withdrawal = %w.id(), "ALERT: {reason}");
             WithdrawalEvent::NeedsReview { reason }
         }
     }
@@ -349,7 +349,7 @@ fn settle_as(
         if paid != w.amount().units() {
             metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset().to_owned()).increment(1);
             tracing::error!(
-                withdrawal = w.id(), %tx_hash, asset = %w.asset(), asked = %w.amount().units(), paid = %paid,
+                withdrawal = %w.id(), %tx_hash, asset = %w.asset(), asked = %w.amount().units(), paid = %paid,
                 "ALERT: the token's transfer succeeded but its Transfer events pay the destination {} of {}: \
                  failed on chain, the hold released; reconcile the hot wallet's token balance",
                 paid, w.amount().units()

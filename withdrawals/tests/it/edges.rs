@@ -73,7 +73,7 @@ impl Token {
             amount: Amount::from_u64(amount),
             requested_by: "wallet-app".to_owned(),
         };
-        request::request(&h.db.pool, &r).await.unwrap().withdrawal.id()
+        request::request(&h.db.pool, &r).await.unwrap().withdrawal.id().get()
     }
 
     async fn available(&self, h: &Harness, account: i64) -> String {
@@ -106,7 +106,12 @@ async fn stuck_at_cap(h: &Harness, id: i64) -> bool {
 
 async fn lane_of(h: &Harness, id: i64) -> hot_wallet::Lane {
     let w = sql::load(&h.db.pool.get().await.unwrap(), id).await.unwrap().unwrap();
-    hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap().into_iter().find(|l| l.lane == w.lane()).unwrap()
+    hot_wallet::lanes(&h.db.pool.get().await.unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.lane == w.lane().as_str())
+        .unwrap()
 }
 
 async fn event_types(h: &Harness, id: i64) -> Vec<String> {
@@ -130,41 +135,41 @@ async fn a_cancel_whose_block_is_reorged_out_and_then_bumped_settles_as_cancelle
     let w = h.request(alice, "race-1", &to, ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(3));
     worker.pass().await.unwrap();
-    assert_eq!(h.state(w.id()).await, WithdrawalState::Broadcast);
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), w.id(), "alice").await.unwrap();
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::Broadcast);
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), w.id().get(), "alice").await.unwrap();
     assert_eq!(worker.pass().await.unwrap().cancel_attempts, 1);
     h.mine(1).await;
     assert_eq!(worker.pass().await.unwrap().mined, 1);
     let cancel =
-        sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
-    let mined = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+        sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
+    let mined = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     assert_eq!(mined.iter().find(|a| a.tx_hash == cancel).unwrap().intent, sql::Intent::Cancel, "the cancel mined");
 
     // The cancel's block is reorged out, the cancel leaves the mempool, and fees spike so the
     // bytes resent are priced out until they are bumped.
     h.rpc("anvil_reorg", json!([1, []])).await;
     h.rpc("anvil_dropTransaction", json!([cancel])).await;
-    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     let spike = attempts.iter().map(|a| a.max_fee).max().unwrap() * U256::from(4);
     h.rpc("anvil_setNextBlockBaseFeePerGas", json!([format!("{spike:#x}")])).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.unmined, 1);
-    let after = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    let after = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(after.state(), WithdrawalState::CancelRequested, "the cancel still stands after the reorg");
     // The mined cancel's bytes were resent, refused at the spiked base fee, and replaced by a
     // bump that keeps the cancel's intent (the lowest open nonce, refused as underpriced).
-    let live = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    let live = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     let live = live.iter().find(|a| Some(a.tx_hash.as_str()) == after.live_attempt()).unwrap();
     assert_eq!(live.intent, sql::Intent::Cancel, "the live attempt is still a cancel");
-    assert!(event_types(&h, w.id()).await.ends_with(&["unmined".to_owned(), "bumped".to_owned()]));
+    assert!(event_types(&h, w.id().get()).await.ends_with(&["unmined".to_owned(), "bumped".to_owned()]));
     assert_ne!(live.tx_hash, cancel);
     h.mine(2).await;
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Cancelled).await;
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Cancelled).await;
 
-    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     let last = attempts.last().unwrap();
     assert_eq!((last.kind.as_str(), last.intent), ("bump", sql::Intent::Cancel), "the bump kept the cancel's intent");
-    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(done.tx_hash(), Some(last.tx_hash.as_str()), "settled on the bumped cancel");
     assert_eq!(h.balance(&to).await, U256::ZERO, "the destination was never paid");
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "nothing paid, nothing debited");
@@ -248,7 +253,7 @@ async fn five_token_payouts_against_a_balance_for_two_per_lane_wait_instead_of_r
     }
     let mut per_lane = std::collections::HashMap::<String, u64>::new();
     for id in &ids {
-        *per_lane.entry(lane_of(&h, *id).await.lane).or_default() += 1;
+        *per_lane.entry(lane_of(&h, *id).await.lane.to_string()).or_default() += 1;
     }
     let worker = h.worker(config(1));
     let report = worker.pass().await.unwrap();
@@ -287,26 +292,26 @@ async fn a_hot_wallet_short_of_ether_holds_its_withdrawals_until_it_is_topped_up
     let h = Harness::start(&[]).await;
     let rich = h.funded_account("rich", 10 * ETHER).await;
     let w = h.request(rich, "big-1", &destination(30), 2 * ETHER).await.unwrap().withdrawal;
-    let lane = lane_of(&h, w.id()).await;
+    let lane = lane_of(&h, w.id().get()).await;
     h.rpc("anvil_setBalance", json!([lane.address, format!("{:#x}", U256::from(ETHER))])).await;
     let worker = h.worker(config(1));
     let report = worker.pass().await.unwrap();
     assert_eq!((report.signed, report.rejected), (0, 0));
     assert_eq!(report.short_lanes.len(), 1, "{report:?}");
     assert!(report.short_lanes[0].contains("ETH"), "{:?}", report.short_lanes);
-    assert_eq!(h.state(w.id()).await, WithdrawalState::Requested, "waits, never rejected");
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::Requested, "waits, never rejected");
     let reason: Option<String> =
         h.db.pool
             .get()
             .await
             .unwrap()
-            .query_one("select shortage from hot_wallet where lane = $1", &[&lane.lane])
+            .query_one("select shortage from hot_wallet where lane = $1", &[&lane.lane.as_str()])
             .await
             .unwrap()
             .get(0);
     assert!(reason.unwrap().contains(&format!("withdrawal {}", w.id())));
     h.rpc("anvil_setBalance", json!([lane.address, format!("{:#x}", U256::from(3 * ETHER))])).await;
-    work_until_state(&h, &worker, false, w.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, false, w.id().get(), WithdrawalState::Confirmed).await;
     assert_eq!(h.balance(&destination(30)).await, U256::from(2 * ETHER));
     assert_eq!(h.count("select count(*) from hot_wallet where shortage is not null").await, 0);
     h.verify().await;
@@ -346,8 +351,8 @@ async fn an_original_the_node_refused_as_underpriced_is_bumped() {
     let alice = h.funded_account("alice", 10 * ETHER).await;
     let w = h.request(alice, "under-1", &destination(40), ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
-    assert_eq!(worker.allocate_lane(&lane_of(&h, w.id()).await).await.unwrap().signed, 1);
-    let original = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    assert_eq!(worker.allocate_lane(&lane_of(&h, w.id().get()).await).await.unwrap().signed, 1);
+    let original = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     // The base fee passes the signed fee cap before the bytes are first sent.
     h.rpc("anvil_setNextBlockBaseFeePerGas", json!([format!("{:#x}", original[0].max_fee * U256::from(4))])).await;
     h.mine(1).await;
@@ -358,8 +363,8 @@ async fn an_original_the_node_refused_as_underpriced_is_bumped() {
     assert!(sent.is_err(), "the node refuses the original: {sent:?}");
     let report = worker.pass().await.unwrap();
     assert_eq!((report.broadcast, report.bumped), (0, 1), "{report:?}");
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
-    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
+    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     assert_eq!(attempts.len(), 2);
     assert_eq!(h.balance(&destination(40)).await, U256::from(ETHER));
     h.verify().await;
@@ -380,15 +385,15 @@ async fn reaching_the_fee_cap_is_alerted_once_and_shown_as_stuck_at_cap() {
     h.mine(2).await;
     let report = worker.pass().await.unwrap();
     assert_eq!((report.bumped, report.fee_cap_reached), (0, 1), "{report:?}");
-    let stuck = stuck_at_cap(&h, w.id()).await;
+    let stuck = stuck_at_cap(&h, w.id().get()).await;
     assert!(stuck, "visible on the withdrawal");
     h.mine(1).await;
     assert_eq!(worker.pass().await.unwrap().fee_cap_reached, 0, "alerted once, not every pass");
-    assert_eq!(event_types(&h, w.id()).await.iter().filter(|t| *t == "fee_cap_reached").count(), 1);
+    assert_eq!(event_types(&h, w.id().get()).await.iter().filter(|t| *t == "fee_cap_reached").count(), 1);
     // Once the cap is raised the bump goes out and the flag clears.
     let raised = h.worker(config(1));
-    work_until_state(&h, &raised, true, w.id(), WithdrawalState::Confirmed).await;
-    let stuck = stuck_at_cap(&h, w.id()).await;
+    work_until_state(&h, &raised, true, w.id().get(), WithdrawalState::Confirmed).await;
+    let stuck = stuck_at_cap(&h, w.id().get()).await;
     assert!(!stuck);
     h.verify().await;
 }

@@ -29,7 +29,7 @@ async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_
         .await
         .unwrap()
         .into_iter()
-        .map(|l| (l.lane, l.next_nonce.stored()))
+        .map(|l| (l.lane.to_string(), l.next_nonce.stored()))
         .collect();
     let clients = accounts.iter().enumerate().map(|(c, account)| {
         let (h, account) = (h.clone(), *account);
@@ -151,7 +151,7 @@ async fn the_same_external_id_five_times_concurrently_is_one_withdrawal_and_a_di
     match h.request(alice, "pay-1", &destination(2), 2 * ETHER).await {
         Err(RequestError::Conflict { fields, existing, .. }) => {
             assert_eq!(fields, ["destination", "amount"]);
-            assert_eq!(existing, ids[0]);
+            assert_eq!(existing, ids[0].get());
         }
         other => panic!("expected a conflict, got {other:?}"),
     }
@@ -240,7 +240,7 @@ async fn an_erc20_withdrawal_the_hot_wallet_cannot_cover_waits_without_a_nonce_i
     let report = h.worker(config(1)).pass().await.unwrap();
     assert_eq!((report.rejected, report.signed), (0, 0), "our own shortage never rejects a customer");
     assert_eq!(report.short_lanes.len(), 1, "{report:?}");
-    assert_eq!(h.state(r.withdrawal.id()).await, WithdrawalState::Requested);
+    assert_eq!(h.state(r.withdrawal.id().get()).await, WithdrawalState::Requested);
     assert_eq!(h.count("select count(*) from nonce_allocation").await, 0);
     let cursors = |lanes: Vec<hot_wallet::Lane>| lanes.into_iter().map(|l| (l.lane, l.next_nonce)).collect::<Vec<_>>();
     assert_eq!(cursors(hot_wallet::lanes(&client).await.unwrap()), cursors(nonces_before), "no nonce consumed");
@@ -261,21 +261,21 @@ async fn a_worker_stopped_after_commit_and_before_broadcast_sends_the_same_bytes
         .await
         .unwrap()
         .into_iter()
-        .find(|l| l.lane == w.lane())
+        .find(|l| l.lane == w.lane().as_str())
         .unwrap();
     {
         // The first process signs and commits, then dies before broadcasting.
         let first = h.worker(config(1));
         first.allocate_lane(&lane).await.unwrap();
     }
-    let signed = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    let signed = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(signed.state(), WithdrawalState::Signed);
     let stored_hash = signed.tx_hash().unwrap().to_owned();
     assert!(h.anvil.rpc("eth_getTransactionByHash", json!([stored_hash])).await.unwrap().is_null(), "never sent");
 
     let restarted = h.worker(config(1));
-    work_until_state(&h, &restarted, false, w.id(), WithdrawalState::Confirmed).await;
-    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    work_until_state(&h, &restarted, false, w.id().get(), WithdrawalState::Confirmed).await;
+    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(done.tx_hash(), Some(stored_hash.as_str()), "the stored bytes were sent, not re-signed");
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 1);
     assert_eq!(h.balance(&destination(11)).await, U256::from(ETHER));
@@ -289,12 +289,13 @@ async fn a_transaction_dropped_from_the_mempool_is_sent_again_and_mined() {
     let worker = h.worker(config(1));
     let report = worker.pass().await.unwrap();
     assert_eq!((report.signed, report.broadcast), (1, 1));
-    let hash = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
+    let hash =
+        sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
     h.rpc("anvil_dropTransaction", json!([hash])).await;
     assert!(h.anvil.rpc("eth_getTransactionByHash", json!([hash])).await.unwrap().is_null());
     let report = worker.pass().await.unwrap();
     assert_eq!(report.rebroadcast, 1);
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
     assert_eq!(h.balance(&destination(12)).await, U256::from(ETHER));
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 1, "same bytes, no new attempt");
 }
@@ -306,7 +307,7 @@ async fn a_base_fee_spike_is_answered_by_a_bump_that_settlement_finds_by_nonce()
     let w = h.request(alice, "spike-1", &destination(13), ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
     worker.pass().await.unwrap();
-    let original = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    let original = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     assert_eq!(original.len(), 1);
     // The next blocks cost far more than the attempt is willing to pay.
     let spike = original[0].max_fee * U256::from(4);
@@ -318,12 +319,12 @@ async fn a_base_fee_spike_is_answered_by_a_bump_that_settlement_finds_by_nonce()
     );
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1);
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
-    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap();
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
+    let attempts = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     assert_eq!(attempts.len(), 2, "the original is still recorded");
     assert_eq!(attempts[1].kind, custodian_domain::withdrawal::AttemptKind::Bump);
     assert!(attempts[1].max_fee * U256::from(8) >= attempts[0].max_fee * U256::from(9), "raised at least 12.5%");
-    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id()).await.unwrap().unwrap();
+    let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(done.tx_hash(), Some(attempts[1].tx_hash.as_str()), "settled on the bump");
     assert_eq!(h.balance(&destination(13)).await, U256::from(ETHER));
 }
@@ -334,14 +335,14 @@ async fn a_mined_withdrawal_reorged_out_is_sent_again_and_settled_once() {
     let alice = h.funded_account("alice", 10 * ETHER).await;
     let w = h.request(alice, "reorg-1", &destination(14), ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(4));
-    work_until_state(&h, &worker, false, w.id(), WithdrawalState::Mined).await;
+    work_until_state(&h, &worker, false, w.id().get(), WithdrawalState::Mined).await;
     h.rpc("anvil_reorg", json!([1, []])).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.unmined, 1);
-    work_until_state(&h, &worker, true, w.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
     let client = h.db.pool.get().await.unwrap();
     let types: Vec<String> = client
-        .query("select event_type from withdrawal_event where withdrawal_id = $1 order by seq", &[&w.id()])
+        .query("select event_type from withdrawal_event where withdrawal_id = $1 order by seq", &[&w.id().get()])
         .await
         .unwrap()
         .iter()
@@ -363,7 +364,7 @@ async fn a_lane_whose_node_calls_fail_is_backed_off_and_the_other_lane_still_set
     while by_lane.len() < 2 {
         n += 1;
         let w = h.request(alice, &format!("iso-{n}"), &destination(200 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane().to_owned()).or_insert(w.id());
+        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
     }
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
@@ -399,7 +400,7 @@ async fn a_node_silent_for_one_lane_times_out_and_the_other_lane_still_settles()
     while by_lane.len() < 2 {
         n += 1;
         let w = h.request(alice, &format!("silent-{n}"), &destination(300 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane().to_owned()).or_insert(w.id());
+        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
     }
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
@@ -432,18 +433,18 @@ async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
     // Before signing: cancelled at once, the hold released.
     let early = h.request(alice, "c-early", &destination(21), ETHER).await.unwrap().withdrawal;
     assert_eq!(h.available(alice).await, (9 * ETHER).to_string());
-    let (cancelled, _) = actions::cancel(&mut h.db.pool.get().await.unwrap(), early.id(), "alice").await.unwrap();
+    let (cancelled, _) = actions::cancel(&mut h.db.pool.get().await.unwrap(), early.id().get(), "alice").await.unwrap();
     assert_eq!(cancelled.state(), WithdrawalState::Cancelled);
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string());
 
     // After broadcast, and the cancel mines.
     let racing = h.request(alice, "c-race", &destination(22), ETHER).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    assert_eq!(h.state(racing.id()).await, WithdrawalState::Broadcast);
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), racing.id(), "alice").await.unwrap();
+    assert_eq!(h.state(racing.id().get()).await, WithdrawalState::Broadcast);
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), racing.id().get(), "alice").await.unwrap();
     let report = worker.pass().await.unwrap();
     assert_eq!(report.cancel_attempts, 1);
-    work_until_state(&h, &worker, true, racing.id(), WithdrawalState::Cancelled).await;
+    work_until_state(&h, &worker, true, racing.id().get(), WithdrawalState::Cancelled).await;
     assert_eq!(h.balance(&destination(22)).await, U256::ZERO, "the original never paid");
     let fee: String = h.db.pool.get().await.unwrap()
         .query_one("select amount::text from ledger_posting p join ledger_transfer t on t.id = p.transfer_id where t.idempotency_key = $1 and p.direction = 'debit'", &[&format!("withdrawal:{}:fee", racing.id())])
@@ -457,8 +458,8 @@ async fn cancels_before_signing_after_broadcast_and_losing_to_the_original() {
     let late = h.request(alice, "c-late", &destination(23), ETHER).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
     h.mine(1).await;
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), late.id(), "alice").await.unwrap();
-    work_until_state(&h, &worker, true, late.id(), WithdrawalState::Confirmed).await;
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), late.id().get(), "alice").await.unwrap();
+    work_until_state(&h, &worker, true, late.id().get(), WithdrawalState::Confirmed).await;
     assert_eq!(h.balance(&destination(23)).await, U256::from(ETHER));
     assert_eq!(h.available(alice).await, (9 * ETHER).to_string());
     h.verify().await;
@@ -487,11 +488,11 @@ async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_cha
         .await
         .unwrap()
         .into_iter()
-        .find(|l| l.lane == w.lane())
+        .find(|l| l.lane == w.lane().as_str())
         .unwrap();
     assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 1);
     h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
-    work_until_state(&h, &worker, false, w.id(), WithdrawalState::FailedOnchain).await;
+    work_until_state(&h, &worker, false, w.id().get(), WithdrawalState::FailedOnchain).await;
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "hold released");
     assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'network_fee'").await, 1, "fee charged");
     h.verify().await;
@@ -504,10 +505,15 @@ async fn native_eth_to_a_contract_is_simulated_paid_with_enough_gas_and_refused_
     let vault = vault(&h).await;
     let paid = h.request(alice, "to-vault", &vault, ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
-    work_until_state(&h, &worker, true, paid.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, true, paid.id().get(), WithdrawalState::Confirmed).await;
     assert_eq!(h.balance(&vault).await, U256::from(ETHER), "the contract was paid");
-    let tx_hash =
-        sql::load(&h.db.pool.get().await.unwrap(), paid.id()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
+    let tx_hash = sql::load(&h.db.pool.get().await.unwrap(), paid.id().get())
+        .await
+        .unwrap()
+        .unwrap()
+        .tx_hash()
+        .unwrap()
+        .to_owned();
     let tx = h.rpc("eth_getTransactionByHash", json!([tx_hash])).await;
     let gas = u64::from_str_radix(tx["gas"].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
     assert!(gas > 21_000, "the gas limit comes from the simulation: {gas}");
@@ -515,7 +521,7 @@ async fn native_eth_to_a_contract_is_simulated_paid_with_enough_gas_and_refused_
     h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
     let nonces_before = h.count("select count(*) from nonce_allocation").await;
     let refused = h.request(alice, "to-closed-vault", &vault, ETHER).await.unwrap().withdrawal;
-    work_until_state(&h, &worker, false, refused.id(), WithdrawalState::Rejected).await;
+    work_until_state(&h, &worker, false, refused.id().get(), WithdrawalState::Rejected).await;
     assert_eq!(h.count("select count(*) from nonce_allocation").await, nonces_before, "no nonce used");
     assert_eq!(h.available(alice).await, (9 * ETHER).to_string(), "only the paid withdrawal left the account");
     h.verify().await;
@@ -537,12 +543,16 @@ async fn a_withdrawal_above_the_approval_limit_waits_for_a_named_approval() {
     for _ in 0..3 {
         assert_eq!(worker.pass().await.unwrap().signed, 0);
     }
-    assert_eq!(h.state(big.id()).await, WithdrawalState::AwaitingApproval);
-    assert!(actions::approve(&mut h.db.pool.get().await.unwrap(), big.id(), " ").await.is_err(), "a name is required");
-    let (approved, recorded) = actions::approve(&mut h.db.pool.get().await.unwrap(), big.id(), "carol").await.unwrap();
+    assert_eq!(h.state(big.id().get()).await, WithdrawalState::AwaitingApproval);
+    assert!(
+        actions::approve(&mut h.db.pool.get().await.unwrap(), big.id().get(), " ").await.is_err(),
+        "a name is required"
+    );
+    let (approved, recorded) =
+        actions::approve(&mut h.db.pool.get().await.unwrap(), big.id().get(), "carol").await.unwrap();
     assert!(recorded);
     assert_eq!(approved.state(), WithdrawalState::Requested);
-    work_until_state(&h, &worker, false, big.id(), WithdrawalState::Confirmed).await;
+    work_until_state(&h, &worker, false, big.id().get(), WithdrawalState::Confirmed).await;
     let payload: Value =
         h.db.pool
             .get()
@@ -550,7 +560,7 @@ async fn a_withdrawal_above_the_approval_limit_waits_for_a_named_approval() {
             .unwrap()
             .query_one(
                 "select payload from withdrawal_event where withdrawal_id = $1 and event_type = 'approved'",
-                &[&big.id()],
+                &[&big.id().get()],
             )
             .await
             .unwrap()
@@ -579,7 +589,7 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     let report = h.worker(config(1)).pass().await.unwrap();
     assert_eq!(report.signed, 0, "nothing is signed");
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0);
-    assert_eq!(h.state(w.id()).await, WithdrawalState::NeedsReview);
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::NeedsReview);
     let reason: String = h
         .db
         .pool
@@ -588,7 +598,7 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
         .unwrap()
         .query_one(
             "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
-            &[&w.id()],
+            &[&w.id().get()],
         )
         .await
         .unwrap()
@@ -596,23 +606,23 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     assert!(reason.contains(&mallory) && reason.contains(w.destination()), "both values are recorded: {reason}");
     let lane = w.lane();
     let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
-    assert!(paused.iter().any(|l| l.lane == lane && l.pause_reason.is_some()), "the lane paused: {paused:?}");
+    assert!(paused.iter().any(|l| l.lane == lane.as_str() && l.pause_reason.is_some()), "the lane paused: {paused:?}");
     assert_eq!(h.balance(&mallory).await, U256::ZERO, "mallory was never paid");
 
     // The way out: never signed, so only "not paid" applies, and it releases the hold.
     let mut client = h.db.pool.get().await.unwrap();
     let paid_by = actions::Resolution::PaidBy(format!("0x{}", "ab".repeat(32)));
     assert!(
-        actions::resolve(&mut client, &h.node, w.id(), &paid_by, 1, "ops").await.is_err(),
+        actions::resolve(&mut client, &h.node, w.id().get(), &paid_by, 1, "ops").await.is_err(),
         "nothing can have paid it"
     );
-    let before = h.available(w.account_id()).await;
+    let before = h.available(w.account_id().get()).await;
     let resolved =
-        actions::resolve(&mut client, &h.node, w.id(), &actions::Resolution::NotPaid, 1, "ops").await.unwrap();
+        actions::resolve(&mut client, &h.node, w.id().get(), &actions::Resolution::NotPaid, 1, "ops").await.unwrap();
     assert!(!resolved.paid);
-    assert_eq!(h.state(w.id()).await, WithdrawalState::Cancelled);
+    assert_eq!(h.state(w.id().get()).await, WithdrawalState::Cancelled);
     let released = before.parse::<u128>().unwrap() + w.amount().units().to::<u128>();
-    assert_eq!(h.available(w.account_id()).await, released.to_string(), "the hold is released");
+    assert_eq!(h.available(w.account_id().get()).await, released.to_string(), "the hold is released");
     // The ledger agrees with the events; the tampered column stays evidence (the service may not
     // rewrite what a withdrawal pays), and replay names only it.
     let report = replay::verify(&mut h.db.pool.get().await.unwrap()).await.unwrap();
@@ -634,8 +644,8 @@ async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
     let waiting = h.request(alice, "big", &destination(61), 2 * ETHER).await.unwrap().withdrawal;
     assert_eq!(waiting.state(), WithdrawalState::AwaitingApproval);
     let cancelled = h.request(alice, "small", &destination(62), ETHER / 10).await.unwrap().withdrawal;
-    actions::cancel(&mut h.db.pool.get().await.unwrap(), cancelled.id(), "wallet-app").await.unwrap();
-    assert_eq!(h.state(cancelled.id()).await, WithdrawalState::Cancelled);
+    actions::cancel(&mut h.db.pool.get().await.unwrap(), cancelled.id().get(), "wallet-app").await.unwrap();
+    assert_eq!(h.state(cancelled.id().get()).await, WithdrawalState::Cancelled);
     // The service's own login may move the projection's state column; it must not get money out.
     h.db.client()
         .await
@@ -649,13 +659,13 @@ async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
     let report = h.worker(config(1)).pass().await.unwrap();
     assert_eq!(report.signed, 0, "nothing is signed");
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0);
-    assert_eq!(h.state(cancelled.id()).await, WithdrawalState::Cancelled, "the stream still says cancelled");
+    assert_eq!(h.state(cancelled.id().get()).await, WithdrawalState::Cancelled, "the stream still says cancelled");
     let row: String =
         h.db.pool
             .get()
             .await
             .unwrap()
-            .query_one("select state from withdrawal where id = $1", &[&cancelled.id()])
+            .query_one("select state from withdrawal where id = $1", &[&cancelled.id().get()])
             .await
             .unwrap()
             .get(0);
@@ -669,7 +679,7 @@ async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
             .unwrap()
             .query_opt(
                 "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
-                &[&id],
+                &[&id.get()],
             )
             .await
             .unwrap()
@@ -748,7 +758,7 @@ async fn requests_recorded_together_are_each_answered_as_alone_and_a_short_one_w
         eth_request(alice, "b-3", 3, ETHER),
     ];
     let answers = request::request_batch(&h.db.pool, &first).await;
-    let ids: Vec<i64> = answers.iter().map(|a| a.as_ref().expect("recorded").withdrawal.id()).collect();
+    let ids: Vec<i64> = answers.iter().map(|a| a.as_ref().expect("recorded").withdrawal.id().get()).collect();
     assert!(answers.iter().all(|a| a.as_ref().unwrap().created));
     assert_eq!(transactions(&h, &ids).await, 1, "the three were written by one transaction");
     assert_eq!((h.available(alice).await, h.available(bob).await), ((2 * ETHER).to_string(), "0".to_owned()));
@@ -765,7 +775,7 @@ async fn requests_recorded_together_are_each_answered_as_alone_and_a_short_one_w
     let answers = request::request_batch(&h.db.pool, &second).await;
     assert!(answers[0].as_ref().unwrap().created);
     let resent = answers[1].as_ref().unwrap();
-    assert_eq!((resent.withdrawal.id(), resent.created), (ids[0], false));
+    assert_eq!((resent.withdrawal.id().get(), resent.created), (ids[0], false));
     assert!(answers[2].as_ref().unwrap().created);
     match &answers[3] {
         Err(RequestError::InsufficientFunds { available, .. }) => assert_eq!(available.to_string(), "0"),
@@ -773,7 +783,8 @@ async fn requests_recorded_together_are_each_answered_as_alone_and_a_short_one_w
     }
     assert!(matches!(answers[4], Err(RequestError::InsufficientFunds { .. })), "bob has nothing left");
     assert!(matches!(answers[5], Err(RequestError::Invalid(_))), "{:?}", answers[5]);
-    let alone = [answers[0].as_ref().unwrap().withdrawal.id(), answers[2].as_ref().unwrap().withdrawal.id()];
+    let alone =
+        [answers[0].as_ref().unwrap().withdrawal.id().get(), answers[2].as_ref().unwrap().withdrawal.id().get()];
     assert_eq!(transactions(&h, &alone).await, 2, "after the refusal each was recorded alone");
     assert_eq!(h.available(alice).await, "0");
     assert_eq!(h.count("select count(*) from withdrawal").await, 5);

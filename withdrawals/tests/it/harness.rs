@@ -169,20 +169,20 @@ pub async fn on_one_lane(h: &Harness, account: i64, n: usize) -> (String, Vec<i6
     let mut by_lane = std::collections::HashMap::<String, Vec<i64>>::new();
     for i in 0..64u64 {
         let w = h.request(account, &format!("lane-{i}"), &edge_destination(100 + i), ETHER).await.unwrap().withdrawal;
-        let ids = by_lane.entry(w.lane().to_owned()).or_default();
-        ids.push(w.id());
+        let ids = by_lane.entry(w.lane().to_string()).or_default();
+        ids.push(w.id().get());
         if ids.len() == n {
             let lane = w.lane();
             // The others are cancelled before signing: only this lane has anything in flight.
             for (other, ids) in &by_lane {
-                if *other != lane {
+                if other.as_str() != lane.as_str() {
                     for id in ids {
                         actions::cancel(&mut h.db.pool.get().await.unwrap(), *id, "test").await.unwrap();
                     }
                 }
             }
-            let ids = by_lane.remove(lane).unwrap();
-            return (lane.to_owned(), ids);
+            let ids = by_lane.remove(lane.as_str()).unwrap();
+            return (lane.to_owned().to_string(), ids);
         }
     }
     panic!("no lane got {n} withdrawals");
