@@ -13,7 +13,7 @@
 //! delivered by its own task, so a slow or failing one never delays another, and nothing the
 //! scanners, the worker or the ledger do waits for delivery. Several processes may deliver: a
 //! subscriber is held by one of them at a time through a lease in its row (no lock is held across
-//! a request); see `migrations/V32__webhooks.sql`.
+//! a request); see `migrations/V6__api.sql`.
 
 use std::collections::HashMap;
 use std::time::Duration;

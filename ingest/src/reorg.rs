@@ -1,5 +1,5 @@
 //! Reorgs: how the scanner finds that the node's chain left ours, and what it does then. Nothing
-//! is ever deleted: a block the node retracted gets an `orphaned` verdict (V19's trigger moves
+//! is ever deleted: a block the node retracted gets an `orphaned` verdict (a trigger of `migrations/V2__chain_observations.sql` moves
 //! `chain_block.orphaned_at`), and every observation in it — deposits, spends of our coins — drops
 //! out of the canonical views by the same join; a block that comes back gets a `reinstated`
 //! verdict. Postings follow in the posting pass (`projections::posting`), never here.

@@ -72,7 +72,7 @@ pub fn signed_display(units: &str, decimals: u8) -> String {
 
 const BALANCES: &str = "
 with ledger as (
-    -- every asset the account has a `user_balance` row for: the row is what `available` reads (V34)
+    -- every asset the account has a `user_balance` row for: the row is what `available` reads (`migrations/V4__ledger.sql`)
     select b.asset, b.balance as net from user_balance b where b.ledger_account = 'user:' || $1::bigint
 ), held as (
     select w.asset, sum(w.amount) as held from withdrawal w
@@ -94,7 +94,7 @@ with ledger as (
        and (w.valid_to_height is null or b.height < w.valid_to_height)
        and coalesce((select sum(case p.direction when 'debit' then p.amount else -p.amount end)
                        from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.ledger_account = 'custody'
-                      where t.deposit_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.kind || ':' || d.output_index),
+                      where t.deposit_key = deposit_key(d.chain, d.tx_hash, d.kind, d.output_index)),
                     0) = 0
      order by d.chain, d.tx_hash, d.kind, d.output_index, b.height desc
 ), pending as (

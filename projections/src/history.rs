@@ -2,7 +2,7 @@
 //!
 //! Only facts written by transactions older than the oldest still running are returned, ordered
 //! by (transaction id, position): that prefix can no longer change, so resuming after a position
-//! never skips or repeats a fact (see `migrations/V8__audit_positions.sql`).
+//! never skips or repeats a fact (see `migrations/V7__audit.sql`).
 
 use deadpool_postgres::GenericClient;
 use serde::Serialize;

@@ -107,7 +107,7 @@ select t.id, t.idempotency_key, 'credit names no observation of its key' as prob
                     where d.chain = t.reference ->> 'chain' and d.tx_hash = t.reference ->> 'tx_hash'
                       and d.kind = t.reference ->> 'kind' and d.output_index = (t.reference ->> 'output_index')::int
                       and d.block_hash = t.reference ->> 'block_hash'
-                      and 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.kind || ':' || d.output_index = t.deposit_key)
+                      and deposit_key(d.chain, d.tx_hash, d.kind, d.output_index) = t.deposit_key)
 union all
 select t.id, t.idempotency_key, 'credit to ' || p.ledger_account || ', who owned no observation of the key'
   from ledger_transfer t join ledger_posting p on p.transfer_id = t.id and p.direction = 'credit'

@@ -8,7 +8,7 @@
 //! transfer that does not balance never commits whoever writes it.
 //!
 //! `available` — what a customer may spend of an asset — is the `available(account, asset)` SQL
-//! function (V34): the balance V29's `user_balance` projection keeps in the same transaction as the
+//! function (`migrations/V4__ledger.sql`): the balance the `user_balance` projection keeps in the same transaction as the
 //! postings it sums. Statements that need it inline call the function; [`available`] reads it.
 
 use std::collections::BTreeMap;
@@ -220,7 +220,7 @@ pub async fn write<C: GenericClient>(client: &C, transfers: &[Transfer]) -> Resu
     Ok(ids)
 }
 
-/// What `account` may spend of `asset`: V34's `available(account, asset)`.
+/// What `account` may spend of `asset`: the SQL function `available(account, asset)`.
 pub async fn available<C: GenericClient>(
     client: &C,
     account: i64,

@@ -8,7 +8,7 @@ use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
 use custodian_testkit::TestDb;
 use serde_json::Value;
 
-use crate::harness::{custodian, custodian_env, custodian_env_async, Run};
+use crate::harness::{custodian, custodian_env_async, Run};
 use crate::ledger_support::{available, new_account};
 
 /// The environment of a BTC command against `sim`.
@@ -452,116 +452,4 @@ async fn a_reassignment_takes_effect_above_the_nodes_tip_and_never_moves_an_obse
     assert_eq!(available(&db, alice).await, "3000000", "the payment made before the handover stays alice's");
     assert_eq!(available(&db, bob).await, "4000000");
     verified(&db);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_from_the_previous_schema_keeps_every_balance_and_gains_no_transfer() {
-    // A database as the previous release (schema V18) left it, with deposits of every kind then
-    // known: native ETH, an ERC-20 log keyed by its block-wide index 3 (its position in its own
-    // receipt is 0), a BTC output, and an orphaned deposit whose reversal was approved.
-    let name =
-        format!("custodian_t_v18_{}_{}", std::process::id(), std::time::UNIX_EPOCH.elapsed().unwrap().subsec_nanos());
-    let admin = custodian_testkit::db::superuser_url().connect_one().await.unwrap();
-    admin.batch_execute(&format!("create database \"{name}\" owner custodian_owner")).await.unwrap();
-    let owner_url = custodian_testkit::db::owner_server_url().with_dbname(&name);
-    let app_url = custodian_testkit::db::server_url().with_dbname(&name);
-    let mut owner = owner_url.connect_one().await.unwrap();
-    custodian_store::migrate::run_to(&mut owner, 18).await.unwrap();
-    let h = |c: char| format!("0x{}", c.to_string().repeat(64));
-    let (b0, b1, b2, b100) = (h('0'), h('1'), h('2'), h('f'));
-    let (t1, t2, t3) = (h('a'), h('b'), h('c'));
-    let w = "0x1000000000000000000000000000000000000001";
-    let k = "0x5aaeb6053f3e94c9b9a09f33669435e7ef1beaed";
-    let topic = custodian_ingest::eth::TRANSFER_TOPIC;
-    let payload = format!(
-        r#"{{"block":{{"hash":"{b1}","parentHash":"{b0}","number":"0x1","transactions":[
-              {{"hash":"{t1}","to":"{w}","value":"0x3e8"}},{{"hash":"{t2}","to":"{k}","value":"0x0"}}]}},
-            "receipts":[{{"transactionHash":"{t1}","blockHash":"{b1}","status":"0x1","logs":[]}},
-              {{"transactionHash":"{t2}","blockHash":"{b1}","status":"0x1","logs":[{{"address":"{k}",
-                "topics":["{topic:#x}","0x000000000000000000000000f39fd6e51aad88f6f4ce6ab8827279cfffb92266",
-                          "0x000000000000000000000000{w_hex}"],
-                "data":"0x{amount:064x}","logIndex":"0x3"}}]}}]}}"#,
-        w_hex = w.trim_start_matches("0x"),
-        amount = 500
-    );
-    let (u1, c1, c10) = ("d".repeat(64), "1".repeat(64), "a".repeat(64));
-    let btc = "bcrt1qs758ursh4q9z627kt3pp5yysm78ddny6txaqgw";
-    owner
-        .batch_execute(&format!(
-            "insert into account (external_ref) values ('alice');
-             insert into asset (asset, chain, contract, symbol, decimals) values ('eth:{k}', 'eth', '{k}', 'TT', 6);
-             insert into wallet_address (chain, address, account_id) values ('eth', '{w}', 1), ('btc', '{btc}', 1);
-             insert into chain_block (chain, height, block_hash, parent_hash) values
-                 ('eth', 1, '{b1}', '{b0}'), ('eth', 2, '{b2}', '{b1}'), ('eth', 100, '{b100}', '{b2}'),
-                 ('btc', 1, '{c1}', '{c1}'), ('btc', 10, '{c10}', '{c1}');
-             insert into raw_block (chain, block_hash, payload) values ('eth', '{b1}', convert_to($${payload}$$, 'UTF8'));
-             insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount) values
-                 ('eth', '{b1}', '{t1}', 0, '{w}', 'ETH', 1000), ('eth', '{b1}', '{t2}', 3, '{w}', 'eth:{k}', 500),
-                 ('eth', '{b2}', '{t3}', 0, '{w}', 'ETH', 700), ('btc', '{c1}', '{u1}', 1, '{btc}', 'BTC', 50000);
-             update chain_block set orphaned_at = now() where block_hash = '{b2}';
-             begin;
-             insert into ledger_transfer (idempotency_key, kind, reference) select 'deposit:' || chain || ':' || tx_hash
-                 || ':' || output_index, 'deposit', jsonb_build_object('chain', chain, 'tx_hash', tx_hash,
-                 'output_index', output_index, 'block_hash', block_hash, 'account_id', 1) from deposit_event;
-             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
-             select t.id, side.a, d.asset, side.d, d.amount from ledger_transfer t
-               join deposit_event d on t.idempotency_key = 'deposit:' || d.chain || ':' || d.tx_hash || ':' || d.output_index
-              cross join (values ('custody', 'debit'), ('user:1', 'credit')) side(a, d);
-             commit;
-             insert into reversal_proposal (deposit_key, transfer_id, reason)
-             select idempotency_key, id, 'every observation is on an orphaned block' from ledger_transfer
-              where idempotency_key = 'deposit:eth:{t3}:0';
-             begin;
-             insert into ledger_transfer (idempotency_key, kind, reference)
-                  values ('reversal:deposit:eth:{t3}:0', 'reversal', '{{}}');
-             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
-                  (currval('ledger_transfer_id_seq'), 'user:1', 'ETH', 'debit', 700),
-                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'credit', 700);
-             insert into reversal_decision (proposal_id, decision, decided_by, compensating_transfer_id)
-             select id, 'approved', 'carol', currval('ledger_transfer_id_seq') from reversal_proposal;
-             commit;"
-        ))
-        .await
-        .unwrap();
-    let snapshot = |sql: &'static str| {
-        let url = app_url.clone();
-        async move {
-            let client = url.connect_one().await.unwrap();
-            client.query(sql, &[]).await.unwrap().iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>()
-        }
-    };
-    let balances =
-        "select account_id || ' ' || asset || ' ' || confirmed || ' ' || available from account_balance order by 1";
-    let before = snapshot(balances).await;
-    let transfers = "select count(*)::text from ledger_transfer";
-    let count_before = snapshot(transfers).await;
-
-    let env = |args: &[&str]| {
-        custodian_env(
-            &[("CUSTODIAN_DATABASE_URL", app_url.expose()), ("CUSTODIAN_MIGRATE_DATABASE_URL", owner_url.expose())],
-            args,
-        )
-    };
-    let migrated = env(&["migrate"]);
-    assert_eq!(migrated.code, 0, "{}", migrated.stderr);
-    assert_eq!(snapshot(balances).await, before, "every balance kept");
-    let posted = env(&["post", "--json"]);
-    assert_eq!(posted.code, 0, "{}", posted.stderr);
-    assert_eq!(snapshot(transfers).await, count_before, "no transfer gained, even after a posting pass");
-    let keys = snapshot("select idempotency_key from ledger_transfer order by id").await;
-    assert_eq!(
-        keys,
-        [
-            format!("deposit:eth:{t1}:native:0:credit:1"),
-            format!("deposit:eth:{t2}:log:0:credit:1"),
-            format!("deposit:eth:{t3}:native:0:credit:1"),
-            format!("deposit:btc:{u1}:output:1:credit:1"),
-            format!("deposit:eth:{t3}:native:0:reversal:1"),
-        ],
-        "keys name the kind; the log is keyed by its position in its receipt"
-    );
-    let replay = env(&["replay", "--verify", "--json"]);
-    assert_eq!(replay.code, 0, "{}", replay.stdout);
-    drop(owner);
-    admin.batch_execute(&format!("drop database \"{name}\" with (force)")).await.unwrap();
 }

@@ -287,7 +287,7 @@ pub async fn retire(client: &mut deadpool_postgres::Object, lane: &str, by: &str
     Ok(true)
 }
 
-/// A BTC lane as stored, with what its addresses hold on the canonical chain (V31's
+/// A BTC lane as stored, with what its addresses hold on the canonical chain (`migrations/V5__withdrawals.sql`'s
 /// `btc_lane_coin`: its funding address and its change addresses).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BtcLane {

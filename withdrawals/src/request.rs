@@ -311,7 +311,7 @@ select (select id from withdrawal where account_id = $1 and external_id = $2),
 /// The account's row lock: serialises the requests of one account.
 const LOCK: &str = "select 1 from account where id = $1 for update";
 
-/// The account lock and the checks under it, server-side, refusing by raising (migration V33):
+/// The account lock and the checks under it, server-side, refusing by raising (`withdrawal_request_check`, `migrations/V5__withdrawals.sql`):
 /// CW001 unknown account, CW002 an earlier withdrawal with this external id (detail: its id),
 /// CW003 a short balance (detail: the balance). ($1 account, $2 external id, $3 asset, $4 amount.)
 const CHECK: &str = "select withdrawal_request_check($1, $2, $3, $4)";

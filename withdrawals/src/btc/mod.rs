@@ -159,7 +159,7 @@ select lane.address, lane.paused, lane.next_change_index, lane.shortage,
   from lane left join ready on true
  order by ready.id";
 
-/// The lane's spendable coins ($1 lane), largest first: V31's `btc_lane_coin` decides what is
+/// The lane's spendable coins ($1 lane), largest first: the view `btc_lane_coin` (`migrations/V5__withdrawals.sql`) decides what is
 /// spendable. Selection looks at the largest [`CANDIDATES`] only: a batch needs few of them, and
 /// branch-and-bound over thousands would cost more than the change it saves.
 const SPENDABLE: &str = "
