@@ -372,10 +372,10 @@ impl From<BtcDepositKey> for DepositKey {
 #[cfg(test)]
 mod tests {
     use bitcoin::bip32::{DerivationPath, Xpriv};
-    use bitcoin::hashes::{hmac, sha512};
     use proptest::prelude::*;
 
     use super::*;
+    use crate::bip39::bip39_seed;
 
     /// Anvil's and Hardhat's development mnemonic.
     const DEV_MNEMONIC: &str = "test test test test test test test test test test test junk";
@@ -387,25 +387,6 @@ mod tests {
         "abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon abandon about";
     const BIP84_ZPUB: &str =
         "zpub6rFR7y4Q2AijBEqTUquhVz398htDFrtymD9xYYfG1m4wAcvPhXNfE3EfH1r1ADqtfSdVCToUG868RvUUkgDKf31mGDtKsAYz2oz2AGutZYs";
-
-    /// BIP-39 seed of a mnemonic with an empty passphrase: PBKDF2-HMAC-SHA512, 2048 rounds,
-    /// salt "mnemonic", one 64-byte block.
-    fn bip39_seed(mnemonic: &str) -> [u8; 64] {
-        let prf = |parts: &[&[u8]]| {
-            let mut engine = hmac::HmacEngine::<sha512::Hash>::new(mnemonic.as_bytes());
-            for part in parts {
-                engine.input(part);
-            }
-            hmac::Hmac::<sha512::Hash>::from_engine(engine).to_byte_array()
-        };
-        let mut block = prf(&[b"mnemonic", &1u32.to_be_bytes()]);
-        let mut seed = block;
-        for _ in 1..2048 {
-            block = prf(&[&block]);
-            seed.iter_mut().zip(block).for_each(|(s, b)| *s ^= b);
-        }
-        seed
-    }
 
     fn account_xpriv(mnemonic: &str, network: NetworkKind, path: &str) -> Xpriv {
         let secp = Secp256k1::new();

@@ -17,6 +17,11 @@ pub mod nonce;
 pub mod posting_rules;
 pub mod withdrawal;
 
+/// The tests' BIP-39 seed, shared with `custodian-testkit` (which this crate cannot depend on).
+#[cfg(test)]
+#[path = "../../testkit/src/bip39.rs"]
+mod bip39;
+
 pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};
 pub use amount::{Amount, AmountError, ParseAmountError, SignedAmount};
 pub use asset::{Asset, AssetError};

@@ -44,6 +44,11 @@ impl VerifyReport {
     pub fn verified(&self) -> bool {
         self.differences.is_empty()
     }
+
+    /// Records a difference found by `check`.
+    fn differ(&mut self, check: &'static str, detail: String) {
+        self.differences.push(Difference { check, detail });
+    }
 }
 
 /// Deposits, per key: what the ledger must hold under each key, derived from observations,
@@ -345,6 +350,16 @@ fn cell(row: &tokio_postgres::Row, index: usize) -> String {
     "null".to_owned()
 }
 
+/// The first `N` cells of `row`, as text.
+fn cells<const N: usize>(row: &tokio_postgres::Row) -> [String; N] {
+    std::array::from_fn(|i| cell(row, i))
+}
+
+/// A row of a diff query: its key, then every other column by name.
+fn keyed(row: &tokio_postgres::Row) -> String {
+    format!("{}: {}", cell(row, 0), describe(row, 1))
+}
+
 fn describe(row: &tokio_postgres::Row, from: usize) -> String {
     (from..row.len()).map(|i| format!("{}={}", row.columns()[i].name(), cell(row, i))).collect::<Vec<_>>().join(" ")
 }
@@ -352,6 +367,22 @@ fn describe(row: &tokio_postgres::Row, from: usize) -> String {
 async fn count(tx: &deadpool_postgres::Transaction<'_>, table: &str) -> Result<u64, tokio_postgres::Error> {
     let n: i64 = tx.query_one(&format!("select count(*) from {table}"), &[]).await?.get(0);
     Ok(u64::try_from(n).expect("BUG: negative count"))
+}
+
+/// Streams the rows of `sql`, a query without parameters, through `each`; returns how many there were.
+async fn for_each_row(
+    tx: &deadpool_postgres::Transaction<'_>,
+    sql: &str,
+    mut each: impl FnMut(tokio_postgres::Row),
+) -> Result<u64, tokio_postgres::Error> {
+    let rows = tx.query_raw(sql, &[] as &[&str; 0]).await?;
+    pin_mut!(rows);
+    let mut n = 0;
+    while let Some(row) = rows.try_next().await? {
+        n += 1;
+        each(row);
+    }
+    Ok(n)
 }
 
 /// Rebuilds and compares. Differences are returned, not raised: the caller decides the exit code.
@@ -371,42 +402,31 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
 
     // Withdrawals: fold every stream with the domain's fold.
     let mut streams: BTreeMap<i64, Vec<WithdrawalEvent>> = BTreeMap::new();
-    let events = tx
-        .query_raw(
-            "select withdrawal_id, seq, event_type, payload from withdrawal_event order by withdrawal_id, seq",
-            &[] as &[&str; 0],
-        )
-        .await?;
-    pin_mut!(events);
-    while let Some(row) = events.try_next().await? {
-        report.facts_read += 1;
+    let events = "select withdrawal_id, seq, event_type, payload from withdrawal_event order by withdrawal_id, seq";
+    report.facts_read += for_each_row(&tx, events, |row| {
         let (id, seq, event_type, payload): (i64, i32, String, serde_json::Value) =
             (row.get(0), row.get(1), row.get(2), row.get(3));
         let stream = streams.entry(id).or_default();
         if usize::try_from(seq).ok() != Some(stream.len() + 1) {
-            report.differences.push(Difference {
-                check: "withdrawal streams",
-                detail: format!("withdrawal {id}: event {seq} follows {}", stream.len()),
-            });
+            report.differ("withdrawal streams", format!("withdrawal {id}: event {seq} follows {}", stream.len()));
         }
         match WithdrawalEvent::from_stored(&event_type, &payload) {
             Ok(event) => stream.push(event),
-            Err(e) => report.differences.push(Difference {
-                check: "withdrawal streams",
-                detail: format!("withdrawal {id}: event {seq} ({event_type}) does not decode: {e}"),
-            }),
+            Err(e) => report.differ(
+                "withdrawal streams",
+                format!("withdrawal {id}: event {seq} ({event_type}) does not decode: {e}"),
+            ),
         }
-    }
+    })
+    .await?;
     let mut rebuilt = Vec::with_capacity(streams.len());
     let mut bookings = Vec::new();
     for (id, events) in &streams {
         bookings.extend(posting_rules::bookings(WithdrawalId::new(*id), events));
         match Withdrawal::fold(WithdrawalId::new(*id), events) {
             Some(w) => rebuilt.push(w),
-            None => report.differences.push(Difference {
-                check: "withdrawal streams",
-                detail: format!("withdrawal {id}: its stream does not start with requested"),
-            }),
+            None => report
+                .differ("withdrawal streams", format!("withdrawal {id}: its stream does not start with requested")),
         }
     }
     let column = |f: fn(&Withdrawal) -> Option<String>| rebuilt.iter().map(f).collect::<Vec<_>>();
@@ -431,10 +451,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         &stuck,
     ];
     for row in tx.query(WITHDRAWAL_DIFF, &rebuilt_params).await? {
-        report.differences.push(Difference {
-            check: "withdrawal projection",
-            detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)),
-        });
+        report.differ("withdrawal projection", keyed(&row));
     }
     // What the rebuilt withdrawals hold: those still in flight.
     // Customers' only: the treasury's rebalances are not a customer's held balance.
@@ -446,15 +463,9 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     // Balances and the balance of every transfer: fold every posting, a transfer at a time.
     let mut balances: BTreeMap<(String, String), (U256, U256)> = BTreeMap::new();
     let mut fold = TransferFold::default();
-    let postings = tx
-        .query_raw(
-            "select transfer_id, ledger_account, asset, direction, amount from ledger_posting order by transfer_id",
-            &[] as &[&str; 0],
-        )
-        .await?;
-    pin_mut!(postings);
-    while let Some(row) = postings.try_next().await? {
-        report.facts_read += 1;
+    let postings =
+        "select transfer_id, ledger_account, asset, direction, amount from ledger_posting order by transfer_id";
+    report.facts_read += for_each_row(&tx, postings, |row| {
         let (transfer, account, asset, direction, amount): (i64, String, String, String, U256) =
             (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
         let credit = direction == "credit";
@@ -462,7 +473,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         let entry = balances.entry((account, asset)).or_insert((U256::ZERO, U256::ZERO));
         let side = if credit { &mut entry.0 } else { &mut entry.1 };
         *side = side.checked_add(amount).expect("BUG: postings of one account sum beyond 2^256");
-    }
+    })
+    .await?;
     fold.finish();
     let mut accounts = Vec::new();
     let mut assets = Vec::new();
@@ -478,60 +490,38 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     }
     for row in tx.query(BALANCE_DIFF, &[&accounts, &assets, &nets, &held_accounts, &held_assets, &held_amounts]).await?
     {
-        report
-            .differences
-            .push(Difference { check: "balances", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
+        report.differ("balances", keyed(&row));
     }
 
     // The balance projection the request path reads, against the same fold.
     for row in tx.query(USER_BALANCE_DIFF, &[&accounts, &assets, &nets]).await? {
-        report.differences.push(Difference {
-            check: "user balances",
-            detail: format!(
-                "{} {}: user_balance says {}, the postings sum to {}",
-                cell(&row, 0),
-                cell(&row, 1),
-                cell(&row, 2),
-                cell(&row, 3)
-            ),
-        });
+        let [account, asset, live, folded] = cells(&row);
+        report.differ(
+            "user balances",
+            format!("{account} {asset}: user_balance says {live}, the postings sum to {folded}"),
+        );
     }
 
     // The posting set and the invariants.
     let legs = Legs::of(&bookings);
     for row in tx.query(&posting_diff(), &legs.params()).await? {
-        report
-            .differences
-            .push(Difference { check: "posting set", detail: format!("{}: {}", cell(&row, 0), describe(&row, 1)) });
+        report.differ("posting set", keyed(&row));
     }
     for row in tx.query(&key_diff(), &[]).await? {
-        report.differences.push(Difference {
-            check: "deposit keys",
-            detail: format!(
-                "{} ({}): the ledger holds {} under the key, the chain and the decisions say {}",
-                cell(&row, 0),
-                cell(&row, 1),
-                cell(&row, 2),
-                cell(&row, 3)
-            ),
-        });
+        let [key, asset, booked, expected] = cells(&row);
+        let detail = format!(
+            "{key} ({asset}): the ledger holds {booked} under the key, the chain and the decisions say {expected}"
+        );
+        report.differ("deposit keys", detail);
     }
     for row in tx.query(DEPOSIT_SHAPE, &[]).await? {
-        report.differences.push(Difference {
-            check: "postings trace to facts",
-            detail: format!("transfer {} ({}): {}", cell(&row, 0), cell(&row, 1), cell(&row, 2)),
-        });
+        let [transfer, key, problem] = cells(&row);
+        report.differ("postings trace to facts", format!("transfer {transfer} ({key}): {problem}"));
     }
     for row in tx.query(UNTRACEABLE, &[]).await? {
-        report.differences.push(Difference {
-            check: "postings trace to facts",
-            detail: format!(
-                "transfer {} ({}, kind {}) has no source fact",
-                cell(&row, 0),
-                cell(&row, 1),
-                cell(&row, 2)
-            ),
-        });
+        let [transfer, key, kind] = cells(&row);
+        report
+            .differ("postings trace to facts", format!("transfer {transfer} ({key}, kind {kind}) has no source fact"));
     }
     let mut unbalanced: Vec<(i64, String, String)> = Vec::new();
     for row in tx.query(WITHOUT_POSTINGS, &[]).await? {
@@ -552,26 +542,15 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     }
     unbalanced.sort();
     for (id, key, problem) in unbalanced {
-        report
-            .differences
-            .push(Difference { check: "transfers balance", detail: format!("transfer {id} ({key}): {problem}") });
+        report.differ("transfers balance", format!("transfer {id} ({key}): {problem}"));
     }
     for row in tx.query(&custody(), &legs.params()).await? {
-        report.differences.push(Difference {
-            check: "custody",
-            detail: format!(
-                "{}: custody booked {} but the facts put {} there",
-                cell(&row, 0),
-                cell(&row, 1),
-                cell(&row, 2)
-            ),
-        });
+        let [asset, booked, expected] = cells(&row);
+        report.differ("custody", format!("{asset}: custody booked {booked} but the facts put {expected} there"));
     }
     report.differences.extend(crate::btc_spends::verify(&tx).await?);
     for (position, problem) in crate::seals::broken(&tx).await? {
-        report
-            .differences
-            .push(Difference { check: "fact seals", detail: format!("history position {position}: {problem}") });
+        report.differ("fact seals", format!("history position {position}: {problem}"));
     }
     for table in ["chain_block", "deposit_event", "ledger_transfer", "reversal_decision"] {
         report.facts_read += count(&tx, table).await?;

@@ -110,13 +110,7 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
     match chain {
         Chain::Eth => {
             let reader = eth_reader(settings).await?;
-            run(
-                settings,
-                Scanner::new(reader, pool.clone(), config)
-                    .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool))),
-                once,
-            )
-            .await
+            run(settings, posting_scanner(reader, pool, config), once).await
         }
         Chain::Btc => {
             let url = settings
@@ -125,15 +119,16 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
                 .ok_or_else(|| invalid("no Bitcoin node: set --btc-rpc or CUSTODIAN_BTC_RPC_URL"))?;
             let reader = BtcReader::new(url, settings.btc_auth.clone(), settings.btc_network)
                 .map_err(|e| invalid(e.to_string()))?;
-            run(
-                settings,
-                Scanner::new(reader, pool.clone(), config)
-                    .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool))),
-                once,
-            )
-            .await
+            run(settings, posting_scanner(reader, pool, config), once).await
         }
     }
+}
+
+/// A scanner of `reader` that posts confirmed deposits after every step that stored blocks or
+/// handled a reorg.
+fn posting_scanner<R: ChainReader>(reader: R, pool: custodian_store::Pool, config: ScanConfig) -> Scanner<R> {
+    Scanner::new(reader, pool.clone(), config)
+        .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool)))
 }
 
 async fn run<R: ChainReader>(settings: &Settings, scanner: Scanner<R>, once: bool) -> Result<Exit> {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::WebPkiSupportedAlgorithms;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
@@ -235,6 +236,7 @@ pub(crate) fn connector(
     root_cert: Option<&std::path::Path>,
 ) -> Result<tokio_postgres_rustls::MakeRustlsConnect, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let algorithms = provider.signature_verification_algorithms;
     let builder =
         rustls::ClientConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
     let roots = match root_cert {
@@ -245,15 +247,19 @@ pub(crate) fn connector(
         (SslMode::VerifyFull, Some(roots)) => WebPkiServerVerifier::builder_with_provider(roots, provider)
             .build()
             .map_err(|e| rustls::Error::General(e.to_string()))?,
-        (SslMode::VerifyCa | SslMode::Require | SslMode::Prefer, Some(roots)) => Arc::new(ChainOnly(
-            WebPkiServerVerifier::builder_with_provider(roots, provider)
-                .build()
-                .map_err(|e| rustls::Error::General(e.to_string()))?,
-        )),
+        (SslMode::VerifyCa | SslMode::Require | SslMode::Prefer, Some(roots)) => Arc::new(Lenient {
+            chain: Some(
+                WebPkiServerVerifier::builder_with_provider(roots, provider)
+                    .build()
+                    .map_err(|e| rustls::Error::General(e.to_string()))?,
+            ),
+            algorithms,
+        }),
         (SslMode::VerifyFull, None) => return Err(TlsError::NoRootCert("verify-full")),
         (SslMode::VerifyCa, None) => return Err(TlsError::NoRootCert("verify-ca")),
-        (SslMode::Disable | SslMode::Prefer | SslMode::Require, None) => Arc::new(EncryptOnly(provider)),
-        (SslMode::Disable, Some(_)) => Arc::new(EncryptOnly(provider)),
+        (SslMode::Disable | SslMode::Prefer | SslMode::Require, None) | (SslMode::Disable, Some(_)) => {
+            Arc::new(Lenient { chain: None, algorithms })
+        }
     };
     let config = builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
@@ -271,11 +277,19 @@ fn root_store(path: &std::path::Path) -> Result<rustls::RootCertStore, TlsError>
     Ok(store)
 }
 
-/// `verify-ca`: the chain is checked, the name is not.
+/// Below `verify-full`. With a CA (`verify-ca`, or `prefer` / `require` with `sslrootcert`) the
+/// chain is checked, the name is not; without one (`prefer` / `require`) the connection is
+/// encrypted and the certificate not checked (libpq's meaning; use `verify-full` to be sure who
+/// answers). The handshake signatures are checked either way.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct Lenient {
+    /// The chain check, when there is a CA.
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    /// The provider's algorithms, for the handshake signatures (the ones `chain` was built with).
+    algorithms: WebPkiSupportedAlgorithms,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -284,7 +298,8 @@ impl ServerCertVerifier for ChainOnly {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+        let Some(chain) = &self.chain else { return Ok(ServerCertVerified::assertion()) };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -298,7 +313,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -307,51 +322,11 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// `prefer` / `require` without a CA: encrypted, the certificate not checked (libpq's meaning;
-/// use `verify-full` to be sure who answers).
-#[derive(Debug)]
-struct EncryptOnly(Arc<rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for EncryptOnly {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.algorithms.supported_schemes()
     }
 }
 

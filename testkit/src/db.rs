@@ -9,12 +9,22 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use anyhow::{Context, Result};
 use custodian_store::roles::OWNER_ROLE;
 use custodian_store::{migrate, DatabaseUrl, Pool};
+use tokio_postgres::types::{FromSql, ToSql};
 
 /// Prefix of every per-test database; `make clean-test-dbs` drops them by it.
 pub const TEST_DB_PREFIX: &str = "custodian_t_";
 
 const TEMPLATE_LOCK_KEY: i64 = 0x7465_6d70_6c61_7465; // "template"
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// The first column of every row `sql` returns, for a test to compare with what it expects.
+pub async fn column<T>(client: &tokio_postgres::Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Vec<T>
+where
+    T: for<'a> FromSql<'a>,
+{
+    let rows = client.query(sql, params).await.expect("the query of a column");
+    rows.iter().map(|r| r.get(0)).collect()
+}
 
 /// A migrated database of its own, dropped when the value is dropped.
 ///

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// One thing that can go wrong with a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,17 +106,7 @@ impl FaultyRpc {
             injected: Mutex::default(),
             calls: AtomicU64::new(0),
         });
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let shared = state.clone();
-        let server = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    let _ = serve(stream, shared).await;
-                });
-            }
-        });
+        let (url, server) = crate::proxy::listen(state.clone(), serve).await?;
         Ok(FaultyRpc { state, url, server })
     }
 

@@ -1,24 +1,38 @@
 //! Shared fixtures for tests that need money or keys without being about how they arrive.
 
-use bitcoin::hashes::{hmac, sha512, Hash, HashEngine};
+pub use crate::bip39::bip39_seed;
 
-/// BIP-39 seed of a mnemonic with an empty passphrase: PBKDF2-HMAC-SHA512, 2048 rounds, salt
-/// "mnemonic", one 64-byte block.
-pub fn bip39_seed(mnemonic: &str) -> [u8; 64] {
-    let prf = |parts: &[&[u8]]| {
-        let mut engine = hmac::HmacEngine::<sha512::Hash>::new(mnemonic.as_bytes());
-        for part in parts {
-            engine.input(part);
-        }
-        hmac::Hmac::<sha512::Hash>::from_engine(engine).to_byte_array()
+/// The side of its postings a ledger account's balance grows on: credit for what we owe (customers,
+/// the treasury), debit for what we hold (custody).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Normal {
+    /// Credits less debits.
+    Credit,
+    /// Debits less credits.
+    Debit,
+}
+
+/// The balance of `ledger_account` in `asset` summed from its postings, on its `normal` side, as
+/// text (`0` when it has none).
+pub async fn posted_balance(
+    client: &tokio_postgres::Client,
+    ledger_account: &str,
+    asset: &str,
+    normal: Normal,
+) -> String {
+    let side = match normal {
+        Normal::Credit => "credit",
+        Normal::Debit => "debit",
     };
-    let mut block = prf(&[b"mnemonic", &1u32.to_be_bytes()]);
-    let mut seed = block;
-    for _ in 1..2048 {
-        block = prf(&[&block]);
-        seed.iter_mut().zip(block).for_each(|(s, b)| *s ^= b);
-    }
-    seed
+    client
+        .query_one(
+            "select coalesce(sum(case direction when $3 then amount else -amount end), 0)::text
+               from ledger_posting where ledger_account = $1 and asset = $2",
+            &[&ledger_account, &asset, &side],
+        )
+        .await
+        .expect("reading a ledger account's postings")
+        .get(0)
 }
 
 /// Credits `account` with `wei` of ETH by a deposit fact (block, observation, owned address) and

@@ -2,6 +2,7 @@
 //! an anvil launcher. Never a dependency of production code.
 
 pub mod anvil;
+mod bip39;
 pub mod btcsim;
 pub mod db;
 pub mod faulty;

@@ -48,17 +48,7 @@ impl RpcProxy {
             .map(|url| url.trim_start_matches("http://").trim_end_matches('/').parse().context("an upstream address"))
             .collect::<Result<Vec<SocketAddr>>>()?;
         let state = Arc::new(RpcState { upstreams, ..RpcState::default() });
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let shared = state.clone();
-        let server = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    let _ = serve_rpc(stream, shared).await;
-                });
-            }
-        });
+        let (url, server) = listen(state.clone(), serve_rpc).await?;
         Ok(RpcProxy { state, url, server })
     }
 
@@ -146,6 +136,25 @@ pub(crate) async fn read_http(stream: &mut TcpStream) -> Result<Vec<u8>> {
         anyhow::ensure!(n > 0, "connection closed");
         buffer.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// Listens on a fresh port of 127.0.0.1 and serves each connection with `serve` on a task of its
+/// own (an error ends only that connection). Returns the `http://127.0.0.1:<port>` URL and the
+/// accepting task.
+pub(crate) async fn listen<S, F, Fut>(state: Arc<S>, serve: F) -> Result<(String, tokio::task::JoinHandle<()>)>
+where
+    S: Send + Sync + 'static,
+    F: Fn(TcpStream, Arc<S>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<()>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve(stream, state.clone()));
+        }
+    });
+    Ok((url, server))
 }
 
 async fn serve_rpc(mut stream: TcpStream, state: Arc<RpcState>) -> Result<()> {

@@ -5,6 +5,7 @@ use std::str::FromStr;
 
 use bitcoin::bip32::{DerivationPath, Xpriv};
 use bitcoin::secp256k1::Secp256k1;
+use custodian_testkit::fixtures::{posted_balance, Normal};
 use custodian_testkit::{BitcoinSim, TestDb};
 
 use crate::lifecycle::{btc_env, run, scan};
@@ -99,17 +100,7 @@ async fn a_btc_hot_wallet_from_a_bip84_account_key_is_funded_from_outside_and_cr
     scan(&db, &sim).await;
     let posted = run(env.clone(), &["post"]).await;
     assert_eq!(posted.code, 0, "{}", posted.stderr);
-    let treasury: String = db
-        .client()
-        .await
-        .query_one(
-            "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
-               from ledger_posting where ledger_account = 'treasury' and asset = 'BTC'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let treasury = posted_balance(&db.client().await, "treasury", "BTC", Normal::Credit).await;
     assert_eq!(treasury, "50000000", "the top-up, and only what arrived after registration");
     let listed = run(env.clone(), &["hot-wallet", "list", "--json"]).await;
     assert_eq!(listed.code, 0, "{}", listed.stderr);
@@ -151,6 +142,7 @@ use bitcoin::{Address, Amount as Sats, OutPoint, Transaction, Txid};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{BtcAddress, BtcNetwork, Chain, WithdrawalId};
 use custodian_testkit::btcsim::AddrKind;
+use custodian_testkit::db::column;
 use custodian_withdrawals::btc::node::BtcNode;
 use custodian_withdrawals::btc::tx::FeeRate;
 use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
@@ -322,13 +314,9 @@ async fn forty_btc_withdrawals_from_eight_clients_sent_twice_are_each_paid_once_
     // Batches: fewer transactions than withdrawals; each mined attempt's fee is inputs minus
     // outputs as the chain has it, and the ledger's fees add up to exactly that.
     let client = p.db.client().await;
-    let mined: Vec<String> = client
-        .query("select distinct tx_hash from withdrawal where chain = 'btc' and state = 'confirmed'", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let mined: Vec<String> =
+        column(&client, "select distinct tx_hash from withdrawal where chain = 'btc' and state = 'confirmed'", &[])
+            .await;
     assert!(mined.len() < wanted.len() / 2, "batched: {} transactions for {}", mined.len(), wanted.len());
     let mut chain_fees = 0u64;
     for txid in &mined {

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
+use custodian_testkit::db::column;
 use custodian_testkit::faulty::{splitmix, Fault, FaultyRpc, Schedule};
 use custodian_withdrawals::{hot_wallet, sql, WorkerConfig};
 use serde_json::{json, Value};
@@ -145,17 +146,13 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
                     }
                     1 | 2 => {
                         let client = h.db.pool.get().await.unwrap();
-                        let hashes: Vec<String> = client
-                            .query(
-                                "select a.tx_hash from withdrawal_attempt a join withdrawal w on w.id = a.withdrawal_id
+                        let hashes: Vec<String> = column(
+                            &client,
+                            "select a.tx_hash from withdrawal_attempt a join withdrawal w on w.id = a.withdrawal_id
                                   where w.state in ('signed', 'broadcast', 'cancel_requested') order by a.tx_hash",
-                                &[],
-                            )
-                            .await
-                            .unwrap()
-                            .iter()
-                            .map(|r| r.get(0))
-                            .collect();
+                            &[],
+                        )
+                        .await;
                         if !hashes.is_empty() {
                             let hash = &hashes[rng.below(hashes.len() as u64) as usize];
                             if h.anvil.rpc("anvil_dropTransaction", json!([hash])).await.is_ok() {

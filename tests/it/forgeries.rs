@@ -44,6 +44,13 @@ async fn owner_runs(db: &TestDb, sql: &str) {
     owner.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
+/// [`owner_runs`] `sql` with the user triggers of `tables` (the append-only guards) switched off
+/// around it, as a forger with the schema owner's rights would.
+async fn owner_runs_unguarded(db: &TestDb, tables: &[&str], sql: &str) {
+    let switch = |to: &str| tables.iter().map(|t| format!("alter table {t} {to} trigger user;")).collect::<String>();
+    owner_runs(db, &format!("{}\n{sql}\n{}", switch("disable"), switch("enable"))).await;
+}
+
 /// Two BTC deposits scanned and credited (and sealed) through the binary.
 async fn deposits() -> (TestDb, BitcoinSim, String) {
     let db = TestDb::new().await;
@@ -73,14 +80,13 @@ async fn deposits() -> (TestDb, BitcoinSim, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edited_deposit_amount_with_its_posting_edited_to_match_is_named() {
     let (db, _sim, txid) = deposits().await;
-    owner_runs(
+    owner_runs_unguarded(
         &db,
+        &["deposit_event", "ledger_posting"],
         &format!(
-            "alter table deposit_event disable trigger user; alter table ledger_posting disable trigger user;
-             update deposit_event set amount = 9000000 where tx_hash = '{txid}';
+            "update deposit_event set amount = 9000000 where tx_hash = '{txid}';
              update ledger_posting set amount = 9000000 where transfer_id =
-                 (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');
-             alter table deposit_event enable trigger user; alter table ledger_posting enable trigger user;"
+                 (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');"
         ),
     )
     .await;
@@ -117,14 +123,13 @@ async fn a_fabricated_deposit_with_its_transfer_is_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edited_row_feeding_account_balance_is_named() {
     let (db, _sim, txid) = deposits().await;
-    owner_runs(
+    owner_runs_unguarded(
         &db,
+        &["ledger_posting"],
         &format!(
-            "alter table ledger_posting disable trigger user;
-             update ledger_posting set amount = amount + 1
+            "update ledger_posting set amount = amount + 1
               where direction = 'credit' and ledger_account like 'user:%' and transfer_id =
-                    (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');
-             alter table ledger_posting enable trigger user;"
+                    (select id from ledger_transfer where deposit_key like 'deposit:btc:{txid}:%');"
         ),
     )
     .await;
@@ -153,18 +158,15 @@ async fn settled_withdrawal() -> (crate::eth_harness::Harness, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_withdrawal_event_with_its_transfers_and_projection_made_to_match_is_named() {
     let (h, id) = settled_withdrawal().await;
-    owner_runs(
+    owner_runs_unguarded(
         &h.db,
+        &["withdrawal_event", "ledger_transfer", "ledger_posting"],
         &format!(
-            "alter table withdrawal_event disable trigger user; alter table ledger_transfer disable trigger user;
-             alter table ledger_posting disable trigger user;
-             delete from ledger_posting where transfer_id in (select id from ledger_transfer
+            "delete from ledger_posting where transfer_id in (select id from ledger_transfer
                  where idempotency_key in ('withdrawal:{id}:settle', 'withdrawal:{id}:fee'));
              delete from ledger_transfer where idempotency_key in ('withdrawal:{id}:settle', 'withdrawal:{id}:fee');
              delete from withdrawal_event where withdrawal_id = {id} and event_type = 'confirmed';
-             update withdrawal set state = 'mined', last_seq = last_seq - 1 where id = {id};
-             alter table withdrawal_event enable trigger user; alter table ledger_transfer enable trigger user;
-             alter table ledger_posting enable trigger user;"
+             update withdrawal set state = 'mined', last_seq = last_seq - 1 where id = {id};"
         ),
     )
     .await;
@@ -175,16 +177,15 @@ async fn a_deleted_withdrawal_event_with_its_transfers_and_projection_made_to_ma
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fee_edited_consistently_in_its_event_and_postings_is_named() {
     let (h, id) = settled_withdrawal().await;
-    owner_runs(
+    owner_runs_unguarded(
         &h.db,
+        &["withdrawal_event", "ledger_posting"],
         &format!(
-            "alter table withdrawal_event disable trigger user; alter table ledger_posting disable trigger user;
-             update withdrawal_event set payload = jsonb_set(payload, '{{fee}}',
+            "update withdrawal_event set payload = jsonb_set(payload, '{{fee}}',
                     to_jsonb(((payload ->> 'fee')::numeric - 1000)::text))
               where withdrawal_id = {id} and event_type = 'confirmed';
              update ledger_posting set amount = amount - 1000
-              where transfer_id = (select id from ledger_transfer where idempotency_key = 'withdrawal:{id}:fee');
-             alter table withdrawal_event enable trigger user; alter table ledger_posting enable trigger user;"
+              where transfer_id = (select id from ledger_transfer where idempotency_key = 'withdrawal:{id}:fee');"
         ),
     )
     .await;

@@ -5,6 +5,7 @@
 use bitcoin::Amount as Sats;
 use custodian_api::tokens::Scope;
 use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
+use custodian_testkit::fixtures::{posted_balance, Normal};
 use custodian_testkit::TestDb;
 use serde_json::Value;
 
@@ -59,16 +60,7 @@ async fn key_history(db: &TestDb, txid: &str) -> (String, String, String) {
 
 /// custody per asset and treasury's net, from the ledger.
 async fn ledger_net(db: &TestDb, account: &str) -> String {
-    let client = db.pool.get().await.unwrap();
-    client
-        .query_one(
-            "select coalesce(sum(case direction when 'debit' then amount else -amount end), 0)::text
-               from ledger_posting where ledger_account = $1 and asset = 'BTC'",
-            &[&account],
-        )
-        .await
-        .unwrap()
-        .get(0)
+    posted_balance(&db.pool.get().await.unwrap(), account, "BTC", Normal::Debit).await
 }
 
 /// What the canonical chain holds confirmed to watched addresses, from the simulator's own blocks.

@@ -6,6 +6,7 @@ use alloy::primitives::keccak256;
 use custodian_domain::{Amount, Chain};
 use custodian_projections::policy;
 use custodian_store::ownership;
+use custodian_testkit::db::column;
 use custodian_testkit::{Anvil, TestDb};
 use serde_json::{json, Value};
 
@@ -294,13 +295,8 @@ async fn a_token_transfer_re_mined_at_another_position_after_a_deep_reorg_is_cre
     scan(&db, &node).await;
     assert_eq!(available(&db, alice, &asset).await, "500", "credited once");
     let client = db.pool.get().await.unwrap();
-    let keys: Vec<String> = client
-        .query("select idempotency_key from ledger_transfer where kind = 'deposit'", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let keys: Vec<String> =
+        column(&client, "select idempotency_key from ledger_transfer where kind = 'deposit'", &[]).await;
     assert_eq!(keys, [format!("deposit:eth:{hash}:log:0:credit:1", hash = hash.as_str().unwrap())]);
     verified(&db);
 }

@@ -15,6 +15,7 @@ use bitcoin::hashes::{hmac, sha256, Hash, HashEngine};
 use custodian_api::tokens::{self, Scope, BOOTSTRAP_PRINCIPAL};
 use custodian_api::webhooks::{self, Deliverer, DeliveryConfig, Kind};
 use custodian_projections::history;
+use custodian_testkit::db::column;
 use custodian_testkit::{eventually, TestDb};
 
 use crate::harness::{custodian, custodian_as};
@@ -403,13 +404,8 @@ async fn webhook_commands_refuse_bad_input_with_nothing_written() {
     assert!(missing.stderr.contains("no webhook subscriber has id 999"));
     let removed = custodian_as(url, &operator, &["webhook", "remove", "--id", &id]);
     assert_eq!(removed.code, 0, "{}", removed.stderr);
-    let actions: Vec<String> = client
-        .query("select action from operator_action where action like 'webhook_%' order by id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let actions: Vec<String> =
+        column(&client, "select action from operator_action where action like 'webhook_%' order by id", &[]).await;
     assert_eq!(actions, ["webhook_added", "webhook_removed"], "each change is an operator action");
 }
 

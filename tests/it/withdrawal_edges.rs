@@ -4,6 +4,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
+use custodian_testkit::fixtures::{posted_balance, Normal};
 use custodian_withdrawals::{hot_wallet, sql};
 use serde_json::json;
 
@@ -39,12 +40,7 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
     let alice = h.funded_account("alice", 100 * ETHER).await;
     let (lane, ids) = on_one_lane(&h, alice, 2).await;
     let worker = h.worker(config(1));
-    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|l| l.lane == lane.as_str())
-        .unwrap();
+    let lane = h.lane(&lane).await;
     assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 2);
     let (w1, w2) = (
         sql::load(&h.db.pool.get().await.unwrap(), ids[0]).await.unwrap().unwrap(),
@@ -235,33 +231,11 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
 
 /// The ledger's custody of ETH, in wei.
 async fn custody(h: &Harness) -> String {
-    h.db.pool
-        .get()
-        .await
-        .unwrap()
-        .query_one(
-            "select coalesce(sum(case direction when 'debit' then amount else -amount end), 0)::text
-               from ledger_posting where ledger_account = 'custody' and asset = 'ETH'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
+    posted_balance(&h.db.pool.get().await.unwrap(), "custody", "ETH", Normal::Debit).await
 }
 
 async fn ledger_balance(h: &Harness, account: &str) -> String {
-    h.db.pool
-        .get()
-        .await
-        .unwrap()
-        .query_one(
-            "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
-               from ledger_posting where ledger_account = $1 and asset = 'ETH'",
-            &[&account],
-        )
-        .await
-        .unwrap()
-        .get(0)
+    posted_balance(&h.db.pool.get().await.unwrap(), account, "ETH", Normal::Credit).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

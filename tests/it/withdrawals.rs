@@ -125,75 +125,41 @@ async fn refused_withdrawals_exit_2_and_write_nothing() {
         assert!(run.stderr.contains(message), "{args:?}: expected {message:?} in {}", run.stderr);
         assert_eq!(count_all().await, before, "{args:?} wrote something");
     }
+    // `withdraw` for alice to `to`, the arguments that vary given.
+    let withdraw = |external_id: &str, asset: &str, amount: &str, json: bool| {
+        let mut args = vec![
+            "withdraw",
+            "--account",
+            "alice",
+            "--external-id",
+            external_id,
+            "--asset",
+            asset,
+            "--to",
+            to,
+            "--amount",
+            amount,
+        ];
+        if json {
+            args.push("--json");
+        }
+        crate::harness::custodian_as(&url, &client, &args)
+    };
     let long = "x".repeat(129);
     for (external_id, message) in [(long.as_str(), "at most 128"), ("a\nb", "control character"), ("   ", "empty")] {
-        let run = crate::harness::custodian_as(
-            &url,
-            &client,
-            &[
-                "withdraw",
-                "--account",
-                "alice",
-                "--external-id",
-                external_id,
-                "--asset",
-                "ETH",
-                "--to",
-                to,
-                "--amount",
-                "0.1",
-            ],
-        );
+        let run = withdraw(external_id, "ETH", "0.1", false);
         assert_eq!(run.code, 2, "{external_id:?}: {}", run.stderr);
         assert!(run.stderr.contains(message), "{external_id:?}: expected {message:?} in {}", run.stderr);
         assert_eq!(count_all().await, before, "{external_id:?} wrote something");
     }
-    let ok = crate::harness::custodian_as(
-        &url,
-        &client,
-        &[
-            "withdraw",
-            "--account",
-            "alice",
-            "--external-id",
-            "x-1",
-            "--asset",
-            "eth",
-            "--to",
-            to,
-            "--amount",
-            "0.25",
-            "--json",
-        ],
-    );
+    let ok = withdraw("x-1", "eth", "0.25", true);
     assert_eq!(ok.code, 0, "{}", ok.stderr);
     assert_eq!(ok.json()["withdrawal"]["amount"], "250000000000000000");
-    let padded = crate::harness::custodian_as(
-        &url,
-        &client,
-        &[
-            "withdraw",
-            "--account",
-            "alice",
-            "--external-id",
-            " x-1 ",
-            "--asset",
-            "ETH",
-            "--to",
-            to,
-            "--amount",
-            "0.25",
-            "--json",
-        ],
-    );
+    let padded = withdraw(" x-1 ", "ETH", "0.25", true);
     assert_eq!(padded.code, 0, "{}", padded.stderr);
     assert_eq!(padded.json()["created"], false, "the key is trimmed: the same request");
     assert_eq!(padded.json()["withdrawal"]["id"], ok.json()["withdrawal"]["id"]);
-    let conflict = crate::harness::custodian_as(
-        &url,
-        &client,
-        &["withdraw", "--account", "alice", "--external-id", "x-1", "--asset", "ETH", "--to", to, "--amount", "0.5"],
-    );
+    let conflict = withdraw("x-1", "ETH", "0.5", false);
     assert_eq!(conflict.code, 2);
     assert!(conflict.stderr.contains("different amount"), "{}", conflict.stderr);
     assert_eq!(h.available(alice).await, (ETHER * 3 / 4).to_string());
@@ -337,19 +303,8 @@ async fn a_request_past_the_daily_total_waits_for_approval_instead_of_being_refu
     );
     // cancelled withdrawals do not count towards the day
     actions::cancel(&mut h.db.pool.get().await.unwrap(), first.id().get(), "wallet-app").await.unwrap();
-    let by: String =
-        h.db.pool
-            .get()
-            .await
-            .unwrap()
-            .query_one(
-                "select payload ->> 'by' from withdrawal_event where withdrawal_id = $1 and event_type = 'cancelled'",
-                &[&first.id().get()],
-            )
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(by, "wallet-app", "a cancel before signing records who cancelled");
+    let cancelled = h.event_payload(first.id().get(), "cancelled").await.expect("a cancelled event");
+    assert_eq!(cancelled["by"], "wallet-app", "a cancel before signing records who cancelled");
     let fourth = h.request(alice, "d-4", &destination(52), 5 * ETHER / 10).await.unwrap().withdrawal;
     assert_eq!(fourth.state(), WithdrawalState::Requested, "0.3 + 0.2 (waiting) + 0.5 is within the day");
 }

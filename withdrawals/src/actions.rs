@@ -217,14 +217,7 @@ pub async fn resolve(
         if *resolution != Resolution::NotPaid {
             return Err(refuse("it was never signed: nothing on chain can have paid it; resolve it --not-paid".into()));
         }
-        let event = WithdrawalEvent::Resolved {
-            paid: false,
-            tx_hash: None,
-            block_hash: None,
-            fee: Amount::ZERO,
-            by: by.to_owned(),
-        };
-        return record_resolution(client, id, event, by, None).await;
+        return record_resolution(client, id, paid_nothing(by), by, None).await;
     };
     let hot: alloy_primitives::Address = from.parse().expect("BUG: stored hot wallet is not an address");
     let event = match resolution {
@@ -378,14 +371,13 @@ pub async fn resolve_btc(
             )));
         }
     }
-    let event = WithdrawalEvent::Resolved {
-        paid: false,
-        tx_hash: None,
-        block_hash: None,
-        fee: Amount::ZERO,
-        by: by.to_owned(),
-    };
-    record_resolution(client, id, event, by, spend).await
+    record_resolution(client, id, paid_nothing(by), by, spend).await
+}
+
+/// Resolved as not paid, naming no transaction and charging no fee: an ETH withdrawal never
+/// signed, or a BTC one whose coins an outside transaction spent.
+fn paid_nothing(by: &str) -> WithdrawalEvent {
+    WithdrawalEvent::Resolved { paid: false, tx_hash: None, block_hash: None, fee: Amount::ZERO, by: by.to_owned() }
 }
 
 /// `id` loaded for a resolution on `by`'s authority: it must need review, and `by` be someone.

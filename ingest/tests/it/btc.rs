@@ -4,6 +4,7 @@ use bitcoin::Amount;
 use custodian_domain::{BtcNetwork, Chain};
 use custodian_ingest::btc::{BtcAuth, BtcReader};
 use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
+use custodian_testkit::db::column;
 use custodian_testkit::TestDb;
 
 use crate::support::*;
@@ -54,13 +55,7 @@ async fn outputs_to_watched_p2wpkh_p2pkh_and_p2tr_addresses_are_recorded_with_ex
     seen.sort();
     assert_eq!(seen, expected);
     let client = db.pool.get().await.unwrap();
-    let addresses: Vec<String> = client
-        .query("select address from deposit_event order by address", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let addresses: Vec<String> = column(&client, "select address from deposit_event order by address", &[]).await;
     let mut want = vec![wpkh.to_string(), pkh.to_string(), tr.to_string(), sh.to_string()];
     want.sort();
     assert_eq!(addresses, want);
@@ -261,13 +256,7 @@ async fn a_spend_of_our_output_is_recorded_per_block_and_a_reorg_makes_the_coin_
     let again = sim.mine_mempool();
     scan(&db, reader, small_batches()).await;
     assert!(unspent(&db, &ours.to_string()).await.is_empty());
-    let blocks: Vec<String> = client
-        .query("select block_hash from output_spend order by recorded_at", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let blocks: Vec<String> = column(&client, "select block_hash from output_spend order by recorded_at", &[]).await;
     assert_eq!(blocks, vec![spent_in.to_string(), again.to_string()], "one observation per block, both kept");
 
     // Every recorded spend is an input of its own block's retained bytes; a forged one is named.

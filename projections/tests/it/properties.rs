@@ -9,6 +9,7 @@ use custodian_domain::Chain;
 use custodian_ingest::sql;
 use custodian_projections::{posting, replay, reversals};
 use custodian_testkit::btcsim::{AddrKind, BitcoinSim};
+use custodian_testkit::db::column;
 use custodian_testkit::TestDb;
 use proptest::prelude::*;
 
@@ -170,9 +171,9 @@ async fn run(ops: Vec<Op>) {
 /// more than the deposit's amount; and `replay --verify` passes.
 async fn holds_after_every_step(db: &TestDb) {
     let mut client = db.pool.get().await.unwrap();
-    let off: Vec<String> = client
-        .query(
-            "with keys as (
+    let off: Vec<String> = column(
+        &client,
+        "with keys as (
                  select distinct on (s.deposit_key) s.deposit_key, s.amount, s.custody_posted,
                         bool_or(not s.orphaned and s.confirmed and s.account_id is not null)
                             over (partition by s.deposit_key) as credit_due,
@@ -187,13 +188,9 @@ async fn holds_after_every_step(db: &TestDb) {
                      and not exists (select 1 from deposit_discrepancy d where d.deposit_key = k.deposit_key and d.open)
                      and not exists (select 1 from deposit_discrepancy d where d.deposit_key = k.deposit_key
                                        and d.decision = 'rejected' and d.compensating_transfer_id is null))",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     assert!(off.is_empty(), "keys whose custody legs disagree with the chain: {off:?}");
     let report = replay::verify(&mut client).await.unwrap();
     assert!(report.verified(), "replay --verify found differences: {:#?}", report.differences);

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use custodian_store::{append_withdrawal_event, AppendError};
+use custodian_testkit::db::column;
 use custodian_testkit::TestDb;
 use serde_json::json;
 
@@ -21,13 +22,8 @@ async fn events_append_in_sequence_and_a_stale_writer_gets_a_conflict() {
             other => panic!("expected a conflict at {stale}, got {other:?}"),
         }
     }
-    let seqs: Vec<i32> = client
-        .query("select seq from withdrawal_event where withdrawal_id = 7 order by seq", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let seqs: Vec<i32> =
+        column(&client, "select seq from withdrawal_event where withdrawal_id = 7 order by seq", &[]).await;
     assert_eq!(seqs, [1, 2]);
 }
 

@@ -1,6 +1,7 @@
 //! Double-entry at commit, ownership ranges, nonce allocation and numeric(78,0).
 
 use alloy_primitives::U256;
+use custodian_testkit::db::column;
 use custodian_testkit::TestDb;
 
 use crate::{eth_address, refused, seed_one_of_everything};
@@ -56,13 +57,7 @@ async fn an_unbalanced_transfer_is_rejected_at_commit_and_a_balanced_one_accepte
     .await
     .unwrap();
     tx.commit().await.expect("a balanced transfer commits");
-    let transfers: Vec<String> = client
-        .query("select idempotency_key from ledger_transfer", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let transfers: Vec<String> = column(&client, "select idempotency_key from ledger_transfer", &[]).await;
     assert_eq!(transfers, ["adj:4"], "only the balanced transfer exists");
 }
 

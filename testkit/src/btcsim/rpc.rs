@@ -238,6 +238,18 @@ struct Arg {
     required: bool,
 }
 
+impl Arg {
+    /// An argument the call must give.
+    const fn required(names: &'static str, ty: ArgType) -> Arg {
+        Arg { names, ty, required: true }
+    }
+
+    /// An argument the call may leave out.
+    const fn optional(names: &'static str, ty: ArgType) -> Arg {
+        Arg { names, ty, required: false }
+    }
+}
+
 type Handler = fn(&Shared, &[Value]) -> Result<Answer, RpcError>;
 
 struct Method {
@@ -249,7 +261,7 @@ struct Method {
     handler: Handler,
 }
 
-const BLOCKHASH: Arg = Arg { names: "blockhash", ty: ArgType::String, required: true };
+const BLOCKHASH: Arg = Arg::required("blockhash", ArgType::String);
 
 static METHODS: &[Method] = &[
     Method {
@@ -261,7 +273,7 @@ static METHODS: &[Method] = &[
     Method {
         name: "getblock",
         // Verbosity skips the type check: Core also accepts a boolean there.
-        args: &[BLOCKHASH, Arg { names: "verbosity|verbose", ty: ArgType::Unchecked, required: false }],
+        args: &[BLOCKHASH, Arg::optional("verbosity|verbose", ArgType::Unchecked)],
         usage: "getblock \"blockhash\" ( verbosity )\n\nIf verbosity is 0, returns a string that is serialized, \
                 hex-encoded data for block 'hash'.\nIf verbosity is 1, returns an Object with information about \
                 block <hash>.\n",
@@ -283,13 +295,13 @@ static METHODS: &[Method] = &[
     },
     Method {
         name: "getblockhash",
-        args: &[Arg { names: "height", ty: ArgType::Number, required: true }],
+        args: &[Arg::required("height", ArgType::Number)],
         usage: "getblockhash height\n\nReturns hash of block in best-block-chain at height provided.\n",
         handler: getblockhash,
     },
     Method {
         name: "getblockheader",
-        args: &[BLOCKHASH, Arg { names: "verbose", ty: ArgType::Bool, required: false }],
+        args: &[BLOCKHASH, Arg::optional("verbose", ArgType::Bool)],
         usage: "getblockheader \"blockhash\" ( verbose )\n\nIf verbose is false, returns a string that is serialized, \
                 hex-encoded data for blockheader 'hash'.\nIf verbose is true, returns an Object with information \
                 about blockheader <hash>.\n",
@@ -297,10 +309,7 @@ static METHODS: &[Method] = &[
     },
     Method {
         name: "estimatesmartfee",
-        args: &[
-            Arg { names: "conf_target", ty: ArgType::Number, required: true },
-            Arg { names: "estimate_mode", ty: ArgType::String, required: false },
-        ],
+        args: &[Arg::required("conf_target", ArgType::Number), Arg::optional("estimate_mode", ArgType::String)],
         usage:
             "estimatesmartfee conf_target ( \"estimate_mode\" )\n\nEstimates the approximate fee per kilobyte needed \
                 for a transaction to begin\nconfirmation within conf_target blocks if possible and return the number \
@@ -309,16 +318,13 @@ static METHODS: &[Method] = &[
     },
     Method {
         name: "getmempoolentry",
-        args: &[Arg { names: "txid", ty: ArgType::String, required: true }],
+        args: &[Arg::required("txid", ArgType::String)],
         usage: "getmempoolentry \"txid\"\n\nReturns mempool data for given transaction\n",
         handler: getmempoolentry,
     },
     Method {
         name: "getrawmempool",
-        args: &[
-            Arg { names: "verbose", ty: ArgType::Bool, required: false },
-            Arg { names: "mempool_sequence", ty: ArgType::Bool, required: false },
-        ],
+        args: &[Arg::optional("verbose", ArgType::Bool), Arg::optional("mempool_sequence", ArgType::Bool)],
         usage: "getrawmempool ( verbose mempool_sequence )\n\nReturns all transaction ids in memory pool as a json \
                 array of string transaction ids.\n",
         handler: getrawmempool,
@@ -326,9 +332,9 @@ static METHODS: &[Method] = &[
     Method {
         name: "sendrawtransaction",
         args: &[
-            Arg { names: "hexstring", ty: ArgType::String, required: true },
-            Arg { names: "maxfeerate", ty: ArgType::Unchecked, required: false },
-            Arg { names: "maxburnamount", ty: ArgType::Unchecked, required: false },
+            Arg::required("hexstring", ArgType::String),
+            Arg::optional("maxfeerate", ArgType::Unchecked),
+            Arg::optional("maxburnamount", ArgType::Unchecked),
         ],
         usage:
             "sendrawtransaction \"hexstring\" ( maxfeerate maxburnamount )\n\nSubmit a raw transaction (serialized, \
@@ -337,10 +343,7 @@ static METHODS: &[Method] = &[
     },
     Method {
         name: "testmempoolaccept",
-        args: &[
-            Arg { names: "rawtxs", ty: ArgType::Array, required: true },
-            Arg { names: "maxfeerate", ty: ArgType::Unchecked, required: false },
-        ],
+        args: &[Arg::required("rawtxs", ArgType::Array), Arg::optional("maxfeerate", ArgType::Unchecked)],
         usage: "testmempoolaccept [\"rawtx\",...] ( maxfeerate )\n\nReturns result of mempool acceptance tests \
                 indicating if raw transaction(s) (serialized, hex-encoded) would be accepted by mempool.\n",
         handler: testmempoolaccept,

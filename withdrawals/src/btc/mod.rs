@@ -99,6 +99,17 @@ struct OpenSpend {
     withdrawals: Vec<i64>,
 }
 
+/// One lane's turn in a pass, at one height: what allocating, cancelling and bumping work from.
+#[derive(Clone, Copy)]
+struct LaneTurn<'a> {
+    lane: &'a Lane,
+    key: &'a BtcHotKey,
+    /// The chain height the pass works at.
+    tip: u64,
+    /// The fee rate for that height.
+    rate: FeeRate,
+}
+
 /// A signed attempt as stored.
 struct StoredAttempt {
     raw: Vec<u8>,
@@ -318,12 +329,19 @@ impl BtcWorker {
         if paused {
             return Ok(());
         }
-        let rate = self.fee_rate(tip).await?;
-        self.allocate_with(lane, key, tip, rate, report).await?;
-        self.cancel_attempts(lane, key, tip, rate, report).await?;
+        let turn = LaneTurn { lane, key, tip, rate: self.fee_rate(tip).await? };
+        self.allocate_with(turn, report).await?;
+        self.cancel_attempts(turn, report).await?;
         let refused = self.broadcast(lane, tip, report).await?;
-        self.bump(lane, key, tip, rate, &refused, report).await?;
+        self.bump(turn, &refused, report).await?;
         Ok(())
+    }
+
+    /// [`tx::replacement_fee`] for a replacement of `attempt` weighing `weight`, at least at `rate`,
+    /// with the configured increment and cap.
+    fn replacement_fee(&self, attempt: &StoredAttempt, weight: u64, rate: FeeRate) -> Option<(u64, FeeRate)> {
+        let config = &self.config;
+        tx::replacement_fee(attempt.fee, attempt.vsize, weight, rate, config.incremental_fee_rate, config.max_fee_rate)
     }
 
     /// `estimatesmartfee` for the configured target, clamped to the configured floor and cap; the
@@ -347,8 +365,8 @@ impl BtcWorker {
         let Some(tip) = self.tip().await? else { return Ok(report) };
         let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
         if let (Some(lane), Some(key)) = (lanes.iter().find(|l| l.lane == lane), self.keys.get(lane)) {
-            let rate = self.fee_rate(tip).await?;
-            self.allocate_with(lane, key, tip, rate, &mut report).await?;
+            let turn = LaneTurn { lane, key, tip, rate: self.fee_rate(tip).await? };
+            self.allocate_with(turn, &mut report).await?;
         }
         Ok(report)
     }
@@ -357,14 +375,8 @@ impl BtcWorker {
     /// or its oldest has waited `batch_wait`), selects coins, adds change, signs, and stores the
     /// bytes, reservations and `signed` events in one transaction under the lane lock. What the
     /// coins cannot cover waits (oldest first) and the lane reports the shortage.
-    async fn allocate_with(
-        &self,
-        lane: &Lane,
-        key: &BtcHotKey,
-        tip: u64,
-        rate: FeeRate,
-        report: &mut PassReport,
-    ) -> Result<(), WorkError> {
+    async fn allocate_with(&self, turn: LaneTurn<'_>, report: &mut PassReport) -> Result<(), WorkError> {
+        let LaneTurn { lane, key, tip, rate } = turn;
         let client = self.pool.get().await?;
         let wait_ms = i64::try_from(self.config.batch_wait.as_millis()).unwrap_or(i64::MAX);
         // Prepared once per connection, so none of these costs a round trip after the first batch.
@@ -818,15 +830,8 @@ impl BtcWorker {
     /// `bump_after_blocks` ago and still unmined: the same inputs, the customers' outputs
     /// unchanged, the fee raised (BIP-125) and taken from change. At the cap (or with no change
     /// left to pay from) `fee_cap_reached` is recorded once and alerted.
-    async fn bump(
-        &self,
-        lane: &Lane,
-        key: &BtcHotKey,
-        tip: u64,
-        rate: FeeRate,
-        refused: &HashSet<i64>,
-        report: &mut PassReport,
-    ) -> Result<(), WorkError> {
+    async fn bump(&self, turn: LaneTurn<'_>, refused: &HashSet<i64>, report: &mut PassReport) -> Result<(), WorkError> {
+        let LaneTurn { lane, key, tip, rate } = turn;
         let client = self.pool.get().await?;
         for spend in Self::open_spends(&client, lane.lane.as_str(), &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
@@ -842,14 +847,7 @@ impl BtcWorker {
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight =
                 tx::tx_weight(replacement.input.len(), replacement.output.iter().map(|o| o.script_pubkey.len()));
-            let priced = tx::replacement_fee(
-                attempt.fee,
-                attempt.vsize,
-                weight,
-                rate,
-                self.config.incremental_fee_rate,
-                self.config.max_fee_rate,
-            );
+            let priced = self.replacement_fee(&attempt, weight, rate);
             let raised = priced.and_then(|(fee, _)| {
                 let change = attempt.change_output?;
                 let left = replacement.output[change].value.to_sat().checked_sub(fee - attempt.fee)?;
@@ -971,14 +969,8 @@ impl BtcWorker {
 
     /// Signs a cancel for every spend whose withdrawal asked for one: a replacement of the same
     /// inputs paying everything, less a higher fee, to a fresh change address of ours.
-    async fn cancel_attempts(
-        &self,
-        lane: &Lane,
-        key: &BtcHotKey,
-        tip: u64,
-        rate: FeeRate,
-        report: &mut PassReport,
-    ) -> Result<(), WorkError> {
+    async fn cancel_attempts(&self, turn: LaneTurn<'_>, report: &mut PassReport) -> Result<(), WorkError> {
+        let LaneTurn { lane, key, tip, rate } = turn;
         let client = self.pool.get().await?;
         for spend in Self::open_spends(&client, lane.lane.as_str(), &[WithdrawalState::CancelRequested]).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
@@ -991,14 +983,7 @@ impl BtcWorker {
             let prevouts = Self::reserved(&client, spend.id, &original).await?;
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight = tx::tx_weight(original.input.len(), [P2WPKH_SCRIPT_LEN]);
-            let priced = tx::replacement_fee(
-                attempt.fee,
-                attempt.vsize,
-                weight,
-                rate,
-                self.config.incremental_fee_rate,
-                self.config.max_fee_rate,
-            );
+            let priced = self.replacement_fee(&attempt, weight, rate);
             let Some((fee, _)) = priced.filter(|(fee, _)| inputs.saturating_sub(*fee) >= CHANGE_DUST) else {
                 tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap; the original stands");
                 metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);

@@ -5,6 +5,7 @@
 use alloy_primitives::{keccak256, U256};
 use custodian_domain::withdrawal::WithdrawalState;
 use custodian_domain::{Amount, EthAddress};
+use custodian_testkit::fixtures::{posted_balance, Normal};
 use custodian_withdrawals::request::{self, Destination, Request};
 use custodian_withdrawals::{actions, hot_wallet, sql, WorkerConfig};
 use serde_json::json;
@@ -77,18 +78,7 @@ impl Token {
     }
 
     async fn available(&self, h: &Harness, account: i64) -> String {
-        h.db.pool
-            .get()
-            .await
-            .unwrap()
-            .query_one(
-                "select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text
-                   from ledger_posting where ledger_account = 'user:' || $1::bigint and asset = $2",
-                &[&account, &self.asset],
-            )
-            .await
-            .unwrap()
-            .get(0)
+        posted_balance(&h.db.pool.get().await.unwrap(), &format!("user:{account}"), &self.asset, Normal::Credit).await
     }
 }
 
@@ -106,12 +96,7 @@ async fn stuck_at_cap(h: &Harness, id: i64) -> bool {
 
 async fn lane_of(h: &Harness, id: i64) -> hot_wallet::Lane {
     let w = sql::load(&h.db.pool.get().await.unwrap(), id).await.unwrap().unwrap();
-    hot_wallet::lanes(&h.db.pool.get().await.unwrap())
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|l| l.lane == w.lane().as_str())
-        .unwrap()
+    h.lane(w.lane().as_str()).await
 }
 
 async fn event_types(h: &Harness, id: i64) -> Vec<String> {

@@ -10,13 +10,16 @@ use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
 use custodian_domain::{Amount, EthAddress};
 use custodian_projections::replay;
+use custodian_testkit::db::column;
 use custodian_testkit::eventually;
+use custodian_testkit::fixtures::{posted_balance, Normal};
+use custodian_testkit::proxy::RpcProxy;
 use custodian_withdrawals::limits::{self, LimitChange};
 use custodian_withdrawals::request::{self, Destination, Request, RequestError};
-use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, Worker, WorkerConfig};
-use serde_json::{json, Value};
+use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, PassReport, Worker, WorkerConfig};
+use serde_json::json;
 
-use crate::harness::{config, destination, work_until_state, Harness, ETHER, FUNDER};
+use crate::harness::{config, destination, one_on_each_lane, work_until_state, Harness, ETHER, FUNDER};
 
 #[tokio::test]
 async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_mine_exactly_once() {
@@ -101,16 +104,8 @@ async fn two_hundred_requests_from_eight_clients_over_two_lanes_and_two_workers_
     );
     for (lane, start) in &start_nonces {
         let client = h.db.pool.get().await.unwrap();
-        let nonces: Vec<i64> = client
-            .query(
-                "select n.nonce from nonce_allocation n join hot_wallet w on w.address = n.from_address where w.lane = $1 order by 1",
-                &[lane],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let nonces: Vec<i64> = column(&client, "select n.nonce from nonce_allocation n join hot_wallet w on w.address = n.from_address where w.lane = $1 order by 1",
+                &[lane]).await;
         assert!(!nonces.is_empty(), "both lanes were used");
         assert_eq!(
             nonces,
@@ -244,11 +239,7 @@ async fn an_erc20_withdrawal_the_hot_wallet_cannot_cover_waits_without_a_nonce_i
     assert_eq!(h.count("select count(*) from nonce_allocation").await, 0);
     let cursors = |lanes: Vec<hot_wallet::Lane>| lanes.into_iter().map(|l| (l.lane, l.next_nonce)).collect::<Vec<_>>();
     assert_eq!(cursors(hot_wallet::lanes(&client).await.unwrap()), cursors(nonces_before), "no nonce consumed");
-    let token_balance: String = client
-        .query_one("select coalesce(sum(case direction when 'credit' then amount else -amount end), 0)::text from ledger_posting where ledger_account = $1 and asset = $2", &[&format!("user:{bob}"), &asset])
-        .await
-        .unwrap()
-        .get(0);
+    let token_balance = posted_balance(&client, &format!("user:{bob}"), &asset, Normal::Credit).await;
     assert_eq!(token_balance, "4000000", "still held: it goes out once the hot wallet is topped up");
 }
 
@@ -257,12 +248,7 @@ async fn a_worker_stopped_after_commit_and_before_broadcast_sends_the_same_bytes
     let h = Harness::start(&[]).await;
     let alice = h.funded_account("alice", 10 * ETHER).await;
     let w = h.request(alice, "crash-1", &destination(11), ETHER).await.unwrap().withdrawal;
-    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|l| l.lane == w.lane().as_str())
-        .unwrap();
+    let lane = h.lane(w.lane().as_str()).await;
     {
         // The first process signs and commits, then dies before broadcasting.
         let first = h.worker(config(1));
@@ -341,13 +327,12 @@ async fn a_mined_withdrawal_reorged_out_is_sent_again_and_settled_once() {
     assert_eq!(report.unmined, 1);
     work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
     let client = h.db.pool.get().await.unwrap();
-    let types: Vec<String> = client
-        .query("select event_type from withdrawal_event where withdrawal_id = $1 order by seq", &[&w.id().get()])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let types: Vec<String> = column(
+        &client,
+        "select event_type from withdrawal_event where withdrawal_id = $1 order by seq",
+        &[&w.id().get()],
+    )
+    .await;
     assert!(types.windows(2).any(|p| p == ["mined", "unmined"]), "{types:?}");
     assert_eq!(types.last().map(String::as_str), Some("confirmed"));
     assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await, 1);
@@ -355,31 +340,43 @@ async fn a_mined_withdrawal_reorged_out_is_sent_again_and_settled_once() {
     h.verify().await;
 }
 
+/// Alice's withdrawal on each lane, and a proxy in front of anvil through which the node can
+/// misbehave for lane a only: the withdrawal ids by lane, lane a's address and the proxy.
+async fn one_on_each_lane_behind_a_proxy(
+    h: &Harness,
+    key: &str,
+    first: u64,
+) -> (HashMap<String, i64>, String, RpcProxy) {
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let (by_lane, lane_a) = one_on_each_lane(h, alice, key, first).await;
+    let proxy = RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    (by_lane, lane_a, proxy)
+}
+
+/// After a `first` pass that failed lane a: lane b settles (waited for as `what`) while lane a
+/// stays requested.
+async fn only_lane_b_settles(
+    h: &Harness,
+    worker: &Worker,
+    by_lane: &HashMap<String, i64>,
+    first: &PassReport,
+    what: &str,
+) {
+    assert!(first.lane_errors.iter().any(|e| e.starts_with("a:")), "{:?}", first.lane_errors);
+    let b = by_lane["b"];
+    h.work_until(worker, true, what, |h| Box::pin(async move { h.state(b).await == WithdrawalState::Confirmed })).await;
+    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::Requested, "lane a made no progress, and lost nothing");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_whose_node_calls_fail_is_backed_off_and_the_other_lane_still_settles() {
     let h = Harness::start(&[]).await;
-    let alice = h.funded_account("alice", 10 * ETHER).await;
-    let mut by_lane: HashMap<String, i64> = HashMap::new();
-    let mut n = 0;
-    while by_lane.len() < 2 {
-        n += 1;
-        let w = h.request(alice, &format!("iso-{n}"), &destination(200 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
-    }
-    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
-    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
+    let (by_lane, lane_a, proxy) = one_on_each_lane_behind_a_proxy(&h, "iso", 200).await;
     // The node fails every nonce question about lane a's address (lanes are worked a, then b).
-    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
     proxy.fail_mentioning("eth_getTransactionCount", &lane_a);
     let worker = Worker::new(h.db.pool.clone(), EthNode::new(&proxy.url).unwrap(), h.signers.clone(), config(1));
     let first = worker.pass().await.expect("a lane's failure does not fail the pass");
-    assert!(first.lane_errors.iter().any(|e| e.starts_with("a:")), "{:?}", first.lane_errors);
-    let b = by_lane["b"];
-    h.work_until(&worker, true, "lane b to settle while lane a fails", |h| {
-        Box::pin(async move { h.state(b).await == WithdrawalState::Confirmed })
-    })
-    .await;
-    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::Requested, "lane a made no progress, and lost nothing");
+    only_lane_b_settles(&h, &worker, &by_lane, &first, "lane b to settle while lane a fails").await;
     proxy.heal();
     let a = by_lane["a"];
     eventually("lane a to settle once the node answers again", Duration::from_secs(60), || async {
@@ -394,17 +391,7 @@ async fn a_lane_whose_node_calls_fail_is_backed_off_and_the_other_lane_still_set
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_silent_for_one_lane_times_out_and_the_other_lane_still_settles() {
     let h = Harness::start(&[]).await;
-    let alice = h.funded_account("alice", 10 * ETHER).await;
-    let mut by_lane: HashMap<String, i64> = HashMap::new();
-    let mut n = 0;
-    while by_lane.len() < 2 {
-        n += 1;
-        let w = h.request(alice, &format!("silent-{n}"), &destination(300 + n), ETHER / 100).await.unwrap().withdrawal;
-        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
-    }
-    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
-    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
-    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    let (by_lane, lane_a, proxy) = one_on_each_lane_behind_a_proxy(&h, "silent", 300).await;
     proxy.hang_mentioning("eth_getTransactionCount", &lane_a);
     let node = EthNode::with_timeout(&proxy.url, Duration::from_millis(300)).unwrap();
     let worker = Worker::new(h.db.pool.clone(), node, h.signers.clone(), config(1));
@@ -414,13 +401,7 @@ async fn a_node_silent_for_one_lane_times_out_and_the_other_lane_still_settles()
         .expect("a silent node never freezes the pass")
         .expect("a lane's timeout does not fail the pass");
     assert!(started.elapsed() < Duration::from_secs(5), "bounded by the call timeout: {:?}", started.elapsed());
-    assert!(first.lane_errors.iter().any(|e| e.starts_with("a:")), "{:?}", first.lane_errors);
-    let b = by_lane["b"];
-    h.work_until(&worker, true, "lane b to settle while the node is silent for lane a", |h| {
-        Box::pin(async move { h.state(b).await == WithdrawalState::Confirmed })
-    })
-    .await;
-    assert_eq!(h.state(by_lane["a"]).await, WithdrawalState::Requested);
+    only_lane_b_settles(&h, &worker, &by_lane, &first, "lane b to settle while the node is silent for lane a").await;
     h.verify().await;
 }
 
@@ -476,22 +457,29 @@ async fn vault(h: &Harness) -> String {
     EthAddress::parse(receipt["contractAddress"].as_str().unwrap()).unwrap().to_checksummed()
 }
 
-#[tokio::test]
-async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_charged_and_the_hold_released() {
+/// A harness with alice holding 10 ETH and a [`vault`] deployed: the harness, alice and the vault.
+async fn alice_and_a_vault() -> (Harness, i64, String) {
     let h = Harness::start(&[]).await;
     let alice = h.funded_account("alice", 10 * ETHER).await;
     let vault = vault(&h).await;
+    (h, alice, vault)
+}
+
+/// Closes the vault: from then on its receive() reverts.
+async fn close_vault(h: &Harness, vault: &str) {
+    h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await;
+    // close()
+}
+
+#[tokio::test]
+async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_charged_and_the_hold_released() {
+    let (h, alice, vault) = alice_and_a_vault().await;
     let w = h.request(alice, "fail-1", &vault, ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
     // Simulated and signed while the vault takes payments; it closes before the payment mines.
-    let lane = hot_wallet::lanes(&h.db.pool.get().await.unwrap())
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|l| l.lane == w.lane().as_str())
-        .unwrap();
+    let lane = h.lane(w.lane().as_str()).await;
     assert_eq!(worker.allocate_lane(&lane).await.unwrap().signed, 1);
-    h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
+    close_vault(&h, &vault).await;
     work_until_state(&h, &worker, false, w.id().get(), WithdrawalState::FailedOnchain).await;
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "hold released");
     assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'network_fee'").await, 1, "fee charged");
@@ -500,9 +488,7 @@ async fn a_transaction_mined_with_status_zero_is_failed_onchain_with_the_fee_cha
 
 #[tokio::test]
 async fn native_eth_to_a_contract_is_simulated_paid_with_enough_gas_and_refused_when_it_reverts() {
-    let h = Harness::start(&[]).await;
-    let alice = h.funded_account("alice", 10 * ETHER).await;
-    let vault = vault(&h).await;
+    let (h, alice, vault) = alice_and_a_vault().await;
     let paid = h.request(alice, "to-vault", &vault, ETHER).await.unwrap().withdrawal;
     let worker = h.worker(config(1));
     work_until_state(&h, &worker, true, paid.id().get(), WithdrawalState::Confirmed).await;
@@ -518,7 +504,7 @@ async fn native_eth_to_a_contract_is_simulated_paid_with_enough_gas_and_refused_
     let gas = u64::from_str_radix(tx["gas"].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
     assert!(gas > 21_000, "the gas limit comes from the simulation: {gas}");
     // A contract that refuses ETH: the simulation reverts, the request is rejected, no nonce is used.
-    h.rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": vault, "data": "0x43d726d6"}])).await; // close()
+    close_vault(&h, &vault).await;
     let nonces_before = h.count("select count(*) from nonce_allocation").await;
     let refused = h.request(alice, "to-closed-vault", &vault, ETHER).await.unwrap().withdrawal;
     work_until_state(&h, &worker, false, refused.id().get(), WithdrawalState::Rejected).await;
@@ -553,18 +539,7 @@ async fn a_withdrawal_above_the_approval_limit_waits_for_a_named_approval() {
     assert!(recorded);
     assert_eq!(approved.state(), WithdrawalState::Requested);
     work_until_state(&h, &worker, false, big.id().get(), WithdrawalState::Confirmed).await;
-    let payload: Value =
-        h.db.pool
-            .get()
-            .await
-            .unwrap()
-            .query_one(
-                "select payload from withdrawal_event where withdrawal_id = $1 and event_type = 'approved'",
-                &[&big.id().get()],
-            )
-            .await
-            .unwrap()
-            .get(0);
+    let payload = h.event_payload(big.id().get(), "approved").await.expect("an approved event");
     assert_eq!(payload["by"], "carol");
 }
 
@@ -590,19 +565,8 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     assert_eq!(report.signed, 0, "nothing is signed");
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0);
     assert_eq!(h.state(w.id().get()).await, WithdrawalState::NeedsReview);
-    let reason: String = h
-        .db
-        .pool
-        .get()
-        .await
-        .unwrap()
-        .query_one(
-            "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
-            &[&w.id().get()],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let payload = h.event_payload(w.id().get(), "needs_review").await.expect("a needs_review event");
+    let reason = payload["reason"].as_str().expect("a reason");
     assert!(reason.contains(&mallory) && reason.contains(w.destination()), "both values are recorded: {reason}");
     let lane = w.lane();
     let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
@@ -671,20 +635,9 @@ async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
             .get(0);
     assert_eq!(row, "cancelled", "a settled stream's row is put back as its events say");
     for id in [waiting.id()] {
-        let reason: Option<String> = h
-            .db
-            .pool
-            .get()
-            .await
-            .unwrap()
-            .query_opt(
-                "select payload ->> 'reason' from withdrawal_event where withdrawal_id = $1 and event_type = 'needs_review'",
-                &[&id.get()],
-            )
-            .await
-            .unwrap()
-            .map(|r| r.get(0));
-        assert!(reason.as_deref().is_some_and(|r| r.contains("awaiting_approval")), "{id}: {reason:?}");
+        let payload = h.event_payload(id.get(), "needs_review").await;
+        let reason = payload.as_ref().and_then(|p| p["reason"].as_str());
+        assert!(reason.is_some_and(|r| r.contains("awaiting_approval")), "{id}: {reason:?}");
     }
     assert_eq!(h.balance(&destination(61)).await, U256::ZERO);
     assert_eq!(h.balance(&destination(62)).await, U256::ZERO);
@@ -702,7 +655,7 @@ async fn a_burst_is_signed_broadcast_and_settled_in_a_few_passes_with_batched_no
             .await
             .unwrap();
     }
-    let proxy = custodian_testkit::proxy::RpcProxy::start(&[&h.anvil.url]).await.unwrap();
+    let proxy = RpcProxy::start(&[&h.anvil.url]).await.unwrap();
     let worker = Worker::new(
         h.db.pool.clone(),
         EthNode::new(&proxy.url).unwrap(),

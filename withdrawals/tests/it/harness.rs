@@ -110,6 +110,18 @@ impl Harness {
             .get(0)
     }
 
+    /// The ETH hot-wallet lane `name`.
+    pub async fn lane(&self, name: &str) -> hot_wallet::Lane {
+        let lanes = hot_wallet::lanes(&self.db.pool.get().await.unwrap()).await.unwrap();
+        lanes.into_iter().find(|l| l.lane == name).unwrap()
+    }
+
+    /// The payload of withdrawal `id`'s `event_type` event, if it has one.
+    pub async fn event_payload(&self, id: i64, event_type: &str) -> Option<Value> {
+        let sql = "select payload from withdrawal_event where withdrawal_id = $1 and event_type = $2";
+        self.db.pool.get().await.unwrap().query_opt(sql, &[&id, &event_type]).await.unwrap().map(|r| r.get(0))
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         self.db.pool.get().await.unwrap().query_one(sql, &[]).await.unwrap().get(0)
     }
@@ -162,6 +174,22 @@ pub async fn mined(h: &Harness, hash: &Value) -> Value {
 
 pub async fn work_until_state(h: &Harness, worker: &Worker, mine: bool, id: i64, state: WithdrawalState) {
     h.work_until(worker, mine, state.as_str(), move |h| Box::pin(async move { h.state(id).await == state })).await;
+}
+
+/// Requests 0.01 ETH withdrawals (keys `{key}-1`, `{key}-2`, …, to `destination(first + n)`) until
+/// both lanes hold one, returning the first withdrawal's id by lane name and lane a's address.
+pub async fn one_on_each_lane(h: &Harness, account: i64, key: &str, first: u64) -> (HashMap<String, i64>, String) {
+    let mut by_lane: HashMap<String, i64> = HashMap::new();
+    let mut n = 0;
+    while by_lane.len() < 2 {
+        n += 1;
+        let w =
+            h.request(account, &format!("{key}-{n}"), &destination(first + n), ETHER / 100).await.unwrap().withdrawal;
+        by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
+    }
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
+    (by_lane, lane_a)
 }
 
 /// Requests until `lane` holds `n` withdrawals of 1 ETH, returning their ids in nonce order to be.
