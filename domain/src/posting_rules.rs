@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 
 use crate::withdrawal::{Withdrawal, WithdrawalEvent};
-use crate::{Amount, LedgerAccount, WithdrawalId};
+use crate::{Amount, Asset, LedgerAccount, WithdrawalId};
 
 /// The kinds of transfer a withdrawal makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,14 +44,10 @@ pub fn entailed(event: &WithdrawalEvent) -> Vec<(Movement, Amount)> {
     }
 }
 
-/// The asset a withdrawal of `asset` pays its network fee in: gas is paid in ether whatever an
-/// ETH withdrawal pays; a BTC fee in bitcoin.
-pub fn fee_asset(asset: &str) -> &'static str {
-    if asset == "BTC" {
-        "BTC"
-    } else {
-        "ETH"
-    }
+/// The asset a withdrawal of `asset` pays its network fee in: its chain's own coin (gas is paid
+/// in ether whatever an ETH withdrawal pays; a BTC fee in bitcoin).
+pub fn fee_asset(asset: Asset) -> Asset {
+    Asset::Native(asset.chain())
 }
 
 /// One transfer of a withdrawal, as the ledger books it.
@@ -65,8 +61,8 @@ pub struct Booking {
     pub debit: LedgerAccount,
     /// Credited.
     pub credit: LedgerAccount,
-    /// Asset key.
-    pub asset: String,
+    /// What moves.
+    pub asset: Asset,
     /// More than zero.
     pub amount: Amount,
 }
@@ -86,7 +82,7 @@ pub fn booking(w: &Withdrawal, movement: Movement, fee: Amount) -> Option<Bookin
         kind,
         debit,
         credit,
-        asset: asset.to_owned(),
+        asset,
         amount,
     })
 }
@@ -115,11 +111,14 @@ mod tests {
     use crate::withdrawal::WithdrawalEvent as E;
     use crate::LaneName;
 
+    /// A token's asset key.
+    const USDC: &str = "eth:0x00000000000000000000000000000000000000c0";
+
     fn requested(treasury: bool) -> E {
         E::Requested {
             account_id: crate::AccountId::new(7),
             external_id: "x".into(),
-            asset: "USDC".into(),
+            asset: Asset::parse_key(USDC).unwrap(),
             destination: "0x0000000000000000000000000000000000000001".into(),
             amount: Amount::from_u64(500),
             lane: LaneName::parse("a").unwrap(),
@@ -131,7 +130,9 @@ mod tests {
     fn keys(bookings: &[Booking]) -> Vec<(String, String, String, String, String)> {
         bookings
             .iter()
-            .map(|b| (b.key.clone(), b.debit.to_string(), b.credit.to_string(), b.asset.clone(), b.amount.to_string()))
+            .map(|b| {
+                (b.key.clone(), b.debit.to_string(), b.credit.to_string(), b.asset.to_string(), b.amount.to_string())
+            })
             .collect()
     }
 
@@ -145,8 +146,8 @@ mod tests {
         assert_eq!(
             keys(&bookings(crate::WithdrawalId::new(4), &stream)),
             [
-                (s("withdrawal:4:hold"), s("user:7"), s("withdrawal_holds"), s("USDC"), s("500")),
-                (s("withdrawal:4:settle"), s("withdrawal_holds"), s("custody"), s("USDC"), s("500")),
+                (s("withdrawal:4:hold"), s("user:7"), s("withdrawal_holds"), s(USDC), s("500")),
+                (s("withdrawal:4:settle"), s("withdrawal_holds"), s("custody"), s(USDC), s("500")),
                 (s("withdrawal:4:fee"), s("network_fees"), s("custody"), s("ETH"), s("30")),
             ]
         );
@@ -159,8 +160,8 @@ mod tests {
         assert_eq!(
             keys(&bookings(crate::WithdrawalId::new(5), &[requested(true), cancelled])),
             [
-                (s("withdrawal:5:hold"), s("treasury"), s("withdrawal_holds"), s("USDC"), s("500")),
-                (s("withdrawal:5:release"), s("withdrawal_holds"), s("treasury"), s("USDC"), s("500")),
+                (s("withdrawal:5:hold"), s("treasury"), s("withdrawal_holds"), s(USDC), s("500")),
+                (s("withdrawal:5:release"), s("withdrawal_holds"), s("treasury"), s(USDC), s("500")),
             ]
         );
         let failed = E::FailedOnchain { tx_hash: "t".into(), block_hash: "b".into(), fee: Amount::from_u64(3) };

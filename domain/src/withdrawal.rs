@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
+use crate::asset::Asset;
 use crate::ids::{AccountId, LaneName, WithdrawalId};
 use crate::nonce::Nonce;
 
@@ -21,8 +22,8 @@ pub enum WithdrawalEvent {
         account_id: AccountId,
         /// The client's idempotency key.
         external_id: String,
-        /// Asset key.
-        asset: String,
+        /// What is paid.
+        asset: Asset,
         /// Destination (stored form).
         destination: String,
         /// Smallest units.
@@ -360,8 +361,8 @@ pub struct Withdrawal {
     account_id: AccountId,
     /// Client idempotency key.
     external_id: String,
-    /// Asset key.
-    asset: String,
+    /// What is paid.
+    asset: Asset,
     /// Destination.
     destination: String,
     /// Smallest units.
@@ -424,8 +425,8 @@ impl Withdrawal {
     }
 
     /// Asset key.
-    pub fn asset(&self) -> &str {
-        &self.asset
+    pub fn asset(&self) -> Asset {
+        self.asset
     }
 
     /// Destination.
@@ -552,7 +553,7 @@ impl Withdrawal {
             id,
             account_id: *account_id,
             external_id: external_id.clone(),
-            asset: asset.clone(),
+            asset: *asset,
             destination: destination.clone(),
             amount: *amount,
             state: WithdrawalState::Requested,
@@ -708,7 +709,7 @@ mod tests {
         WithdrawalEvent::Requested {
             account_id: crate::AccountId::new(1),
             external_id: "e-1".into(),
-            asset: "ETH".into(),
+            asset: Asset::Native(crate::Chain::Eth),
             destination: "0x01".into(),
             amount: Amount::from_u64(5),
             lane: LaneName::parse("a").unwrap(),

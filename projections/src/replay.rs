@@ -166,7 +166,7 @@ impl Legs {
             for (account, direction) in [(&b.debit, "debit"), (&b.credit, "credit")] {
                 legs.keys.push(b.key.clone());
                 legs.accounts.push(account.to_string());
-                legs.assets.push(b.asset.clone());
+                legs.assets.push(b.asset.key());
                 legs.directions.push(direction);
                 legs.amounts.push(b.amount.units());
             }
@@ -445,7 +445,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         &column(|w| w.tx_hash().map(str::to_owned)),
         &column(|w| w.mined_block_hash().map(str::to_owned)),
         &accounts,
-        &column(|w| Some(w.asset().to_owned())),
+        &column(|w| Some(w.asset().key())),
         &column(|w| Some(w.destination().to_owned())),
         &column(|w| Some(w.amount().to_string())),
         &stuck,
@@ -457,7 +457,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     // Customers' only: the treasury's rebalances are not a customer's held balance.
     let in_flight: Vec<&Withdrawal> = rebuilt.iter().filter(|w| w.holds_funds() && !w.treasury()).collect();
     let held_accounts: Vec<i64> = in_flight.iter().map(|w| w.account_id().get()).collect();
-    let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset().to_owned()).collect();
+    let held_assets: Vec<String> = in_flight.iter().map(|w| w.asset().key()).collect();
     let held_amounts: Vec<String> = in_flight.iter().map(|w| w.amount().to_string()).collect();
 
     // Balances and the balance of every transfer: fold every posting, a transfer at a time.

@@ -5,6 +5,7 @@ use alloy::consensus::{TxEip1559, TxEnvelope};
 use alloy::eips::eip2718::Decodable2718;
 use alloy_primitives::{b256, Address, Bytes, TxKind, B256, U256};
 use custodian_domain::withdrawal::Withdrawal;
+use custodian_domain::Asset;
 
 use crate::rpc::Log;
 use crate::sql::Intent;
@@ -43,8 +44,11 @@ impl Call {
 }
 
 /// The ERC-20 contract of a token asset key (`eth:0x…`), `None` for ether.
-pub fn token_of(asset: &str) -> Option<Address> {
-    asset.strip_prefix("eth:").map(|contract| contract.parse().expect("BUG: stored asset key is not an address"))
+pub fn token_of(asset: Asset) -> Option<Address> {
+    match asset {
+        Asset::Erc20(contract) => Some(contract.as_alloy()),
+        Asset::Native(_) => None,
+    }
 }
 
 /// What the payout of `w` calls: ether straight to the destination, or the token's
@@ -172,7 +176,7 @@ mod tests {
         let requested = WithdrawalEvent::Requested {
             account_id: AccountId::new(1),
             external_id: "e".into(),
-            asset: asset.into(),
+            asset: Asset::parse_key(asset).unwrap(),
             destination: hex(DEST),
             amount: Amount::from_u64(amount),
             lane: LaneName::parse("a").unwrap(),

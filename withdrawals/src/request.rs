@@ -3,7 +3,7 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{AccountId, WithdrawalId};
+use custodian_domain::{AccountId, Asset, WithdrawalId};
 use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, LedgerAccount, SignedAmount};
 use custodian_store::{ledger, AppendError};
 use serde::Serialize;
@@ -206,7 +206,7 @@ pub fn lane_index(id: i64, lanes: usize) -> usize {
 
 fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     let mut fields = Vec::new();
-    if existing.asset() != request.asset {
+    if existing.asset().key() != request.asset {
         fields.push("asset");
     }
     if existing.destination() != request.destination.stored() {
@@ -563,7 +563,7 @@ impl Composed {
         let requested = WithdrawalEvent::Requested {
             account_id: AccountId::new(request.account_id),
             external_id: request.external_id.clone(),
-            asset: request.asset.clone(),
+            asset: Asset::parse_key(&request.asset).map_err(|e| RequestError::Invalid(e.to_string()))?,
             destination: request.destination.stored(),
             amount: request.amount,
             lane: lane.lane.clone(),
@@ -588,11 +588,7 @@ impl Composed {
             projected: sql::projection_params(&withdrawal),
             held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
             amount: request.amount.units(),
-            checked: (
-                withdrawal.account_id().get(),
-                withdrawal.external_id().to_owned(),
-                withdrawal.asset().to_owned(),
-            ),
+            checked: (withdrawal.account_id().get(), withdrawal.external_id().to_owned(), withdrawal.asset().key()),
             withdrawal,
         })
     }
@@ -848,7 +844,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     if let Some(row) = found {
         let withdrawal = sql::load(&tx, row.get(0)).await?.expect("BUG: projection row without events");
         let mut fields = Vec::new();
-        if withdrawal.asset() != r.asset {
+        if withdrawal.asset().key() != r.asset {
             fields.push("asset");
         }
         if withdrawal.destination() != to.address || *withdrawal.lane() != from.lane {
@@ -879,7 +875,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         WithdrawalEvent::Requested {
             account_id: AccountId::new(treasury),
             external_id: r.external_id.clone(),
-            asset: r.asset.clone(),
+            asset: Asset::parse_key(&r.asset).map_err(|e| RequestError::Invalid(e.to_string()))?,
             destination: to.address.clone(),
             amount: r.amount,
             lane: from.lane.clone(),

@@ -105,7 +105,7 @@ pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
         id: w.id().get(),
         account_id: w.account_id().get(),
         external_id: w.external_id().to_owned(),
-        asset: w.asset().to_owned(),
+        asset: w.asset().key(),
         destination: w.destination().to_owned(),
         amount: w.amount().units(),
         state: w.state().as_str(),
@@ -191,7 +191,7 @@ pub(crate) fn entailed(w: &Withdrawal, event: &WithdrawalEvent) -> Vec<ledger::T
         .filter_map(|(movement, fee)| posting_rules::booking(w, movement, fee))
         .filter_map(|b| {
             let reference = serde_json::json!({ "withdrawal_id": w.id() });
-            ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset, b.amount)
+            ledger::Transfer::moving(b.key, b.kind, reference, (b.debit, b.credit), &b.asset.key(), b.amount)
         })
         .collect()
 }

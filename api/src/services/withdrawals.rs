@@ -35,7 +35,7 @@ fn withdrawal(listed: Listed) -> pb::Withdrawal {
         id: w.id().get(),
         account_id: Some(w.account_id().get()),
         external_id: w.external_id().to_owned(),
-        asset: w.asset().to_owned(),
+        asset: w.asset().key(),
         symbol,
         destination: wire::display_address(Chain::Eth, w.destination()),
         amount: w.amount().to_string(),

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use alloy_primitives::{Address, U256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
 use custodian_domain::WithdrawalId;
+use custodian_domain::{Amount, Asset};
 
 use super::nonce_allocator::Pricing;
 use super::{PassReport, WorkError, Worker};
@@ -69,7 +69,7 @@ pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Resul
     }
     let fact = PaidAs {
         account_id: folded.account_id().get(),
-        asset: folded.asset().to_owned(),
+        asset: folded.asset().key(),
         destination: folded.destination().to_owned(),
         amount: folded.amount(),
     };
@@ -158,7 +158,7 @@ impl Worker {
             let call = payout_call(&w);
             let has_code = call.data.is_empty() && codes.next().expect("BUG: one answer per plain payout");
             if let Some(token) = token_of(w.asset()) {
-                let left = self.token_left(&mut funds, w.asset(), token, signer.address()).await?;
+                let left = self.token_left(&mut funds, &w.asset().key(), token, signer.address()).await?;
                 if left < w.amount().units() {
                     short =
                         Some(format!(
@@ -180,7 +180,7 @@ impl Worker {
             }
             funds.ether -= cost;
             if token_of(w.asset()).is_some() {
-                let left = funds.tokens.get_mut(w.asset()).expect("BUG: token funds read above");
+                let left = funds.tokens.get_mut(&w.asset().key()).expect("BUG: token funds read above");
                 *left -= w.amount().units();
             }
             gas.insert(id, limit);
@@ -261,7 +261,8 @@ impl Worker {
             let cost = payout::worst_cost(&payout::decode(&raw));
             let entry = worst.entry(id).or_default();
             *entry = (*entry).max(cost);
-            if token_of(&asset).is_some() && counted.insert(id) {
+            let stored = Asset::parse_key(&asset).expect("BUG: withdrawal.asset references asset");
+            if token_of(stored).is_some() && counted.insert(id) {
                 let sum = in_flight_tokens.entry(asset).or_default();
                 *sum = sum.saturating_add(amount);
             }

@@ -347,7 +347,7 @@ fn settle_as(
         let destination: Address = w.destination().parse().expect("BUG: stored destination is not an address");
         let paid = token_paid(&receipt.logs, token, hot_wallet, destination);
         if paid != w.amount().units() {
-            metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset().to_owned()).increment(1);
+            metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset().key()).increment(1);
             tracing::error!(
                 withdrawal = %w.id(), %tx_hash, asset = %w.asset(), asked = %w.amount().units(), paid = %paid,
                 "ALERT: the token's transfer succeeded but its Transfer events pay the destination {} of {}: \
