@@ -111,6 +111,67 @@ impl fmt::Display for TxHash {
     }
 }
 
+/// The chain a stored hash belongs to, told by its form: ETH's carry `0x`, BTC's do not.
+fn chain_of_stored(input: &str) -> Chain {
+    if input.starts_with("0x") {
+        Chain::Eth
+    } else {
+        Chain::Btc
+    }
+}
+
+impl TxHash {
+    /// The Ethereum hash; `None` for a Bitcoin txid.
+    pub fn eth(self) -> Option<B256> {
+        match self {
+            TxHash::Eth(h) => Some(h),
+            TxHash::Btc(_) => None,
+        }
+    }
+
+    /// Reads a stored hash back, its chain told by its form (events carry hashes without their
+    /// chain).
+    pub fn parse_stored(input: &str) -> Result<Self, HashError> {
+        TxHash::parse(chain_of_stored(input), input)
+    }
+}
+
+impl BlockHash {
+    /// The Ethereum hash; `None` for a Bitcoin block.
+    pub fn eth(self) -> Option<B256> {
+        match self {
+            BlockHash::Eth(h) => Some(h),
+            BlockHash::Btc(_) => None,
+        }
+    }
+
+    /// Reads a stored hash back, its chain told by its form.
+    pub fn parse_stored(input: &str) -> Result<Self, HashError> {
+        BlockHash::parse(chain_of_stored(input), input)
+    }
+}
+
+macro_rules! stored_form_serde {
+    ($name:ident) => {
+        /// Events carry the stored form.
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_str(self)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<$name, D::Error> {
+                let stored = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+                $name::parse_stored(&stored).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+stored_form_serde!(TxHash);
+stored_form_serde!(BlockHash);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +188,12 @@ mod tests {
         );
         assert_eq!(BlockHash::parse(Chain::Btc, btc_genesis).expect("valid").to_string(), btc_genesis);
         assert_eq!(TxHash::parse(Chain::Btc, btc_genesis).expect("valid").chain(), Chain::Btc);
+        for stored in [eth, btc_genesis] {
+            let json = serde_json::to_value(TxHash::parse_stored(stored).expect("valid")).unwrap();
+            assert_eq!(json, serde_json::json!(stored), "events keep the stored form");
+            assert_eq!(serde_json::from_value::<BlockHash>(json).expect("reads back").to_string(), stored);
+        }
+        assert!(serde_json::from_value::<TxHash>(serde_json::json!("0x88e9")).is_err());
         for (chain, bad) in [
             (Chain::Eth, "88e96d4537bea4d9c05d12549907b32561d3bf31f45aae734cdc119f13406cb6"),
             (Chain::Eth, "0x88e9"),

@@ -108,8 +108,18 @@ pub fn bookings(id: WithdrawalId, events: &[WithdrawalEvent]) -> Vec<Booking> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An ETH transaction hash ending in `n`.
+    fn tx(n: u8) -> TxHash {
+        TxHash::Eth(alloy_primitives::B256::with_last_byte(n))
+    }
+
+    /// An ETH block hash ending in `n`.
+    fn block(n: u8) -> BlockHash {
+        BlockHash::Eth(alloy_primitives::B256::with_last_byte(n))
+    }
     use crate::withdrawal::WithdrawalEvent as E;
-    use crate::LaneName;
+    use crate::{BlockHash, LaneName, TxHash};
 
     /// A token's asset key.
     const USDC: &str = "eth:0x00000000000000000000000000000000000000c0";
@@ -138,7 +148,7 @@ mod tests {
 
     #[test]
     fn a_token_payout_holds_settles_and_pays_its_fee_in_ether_once() {
-        let confirmed = |fee| E::Confirmed { tx_hash: "t".into(), block_hash: "b".into(), fee: Amount::from_u64(fee) };
+        let confirmed = |fee| E::Confirmed { tx_hash: tx(0x01), block_hash: block(0xb1), fee: Amount::from_u64(fee) };
         let resolved_paid =
             E::Resolved { paid: true, tx_hash: None, block_hash: None, fee: Amount::from_u64(9), by: "o".into() };
         let stream = [requested(false), confirmed(30), E::NeedsReview { reason: "reorged".into() }, resolved_paid];
@@ -164,7 +174,7 @@ mod tests {
                 (s("withdrawal:5:release"), s("withdrawal_holds"), s("treasury"), s(USDC), s("500")),
             ]
         );
-        let failed = E::FailedOnchain { tx_hash: "t".into(), block_hash: "b".into(), fee: Amount::from_u64(3) };
+        let failed = E::FailedOnchain { tx_hash: tx(0x01), block_hash: block(0xb1), fee: Amount::from_u64(3) };
         let booked = bookings(crate::WithdrawalId::new(6), &[requested(false), failed]);
         assert_eq!(
             booked.iter().map(|b| b.kind).collect::<Vec<_>>(),

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::amount::Amount;
 use crate::asset::Asset;
+use crate::hash::{BlockHash, TxHash};
 use crate::ids::{AccountId, LaneName, WithdrawalId};
 use crate::nonce::Nonce;
 
@@ -70,14 +71,14 @@ pub enum WithdrawalEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nonce: Option<Nonce>,
         /// Hash of the signed transaction.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// Chain head when signed (bumps count blocks from here).
         at_block: u64,
     },
     /// The node accepted the bytes (or already had them).
     Broadcast {
         /// The attempt sent.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// The chain head when the node first accepted the bytes: a bump's age counts from here.
         /// Absent in events recorded before it was kept (their age counts from signing).
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -86,41 +87,41 @@ pub enum WithdrawalEvent {
     /// A sibling attempt at the same nonce with higher fees.
     Bumped {
         /// The new attempt.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// Chain head when signed.
         at_block: u64,
     },
     /// One of our attempts has a receipt.
     Mined {
         /// The attempt that mined.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// Its block.
-        block_hash: String,
+        block_hash: BlockHash,
         /// Its block number.
         block_number: u64,
     },
     /// The block holding the mined attempt was reorged out; the same bytes go out again.
     Unmined {
         /// The attempt.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// The retracted block.
-        block_hash: String,
+        block_hash: BlockHash,
     },
     /// Mined with status 1 and past the confirmation depth; settled with the real fee.
     Confirmed {
         /// The attempt.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// Its block.
-        block_hash: String,
+        block_hash: BlockHash,
         /// gasUsed × effectiveGasPrice, wei.
         fee: Amount,
     },
     /// Mined with status 0: the fee is paid, the hold released.
     FailedOnchain {
         /// The attempt.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// Its block.
-        block_hash: String,
+        block_hash: BlockHash,
         /// The fee paid, wei.
         fee: Amount,
     },
@@ -132,7 +133,7 @@ pub enum WithdrawalEvent {
     /// Cancelled: before signing, or the cancel replacement mined. The hold is released.
     Cancelled {
         /// The cancel attempt that mined, if it came to that.
-        tx_hash: Option<String>,
+        tx_hash: Option<TxHash>,
         /// The fee paid by the cancel, wei (zero before signing).
         fee: Amount,
         /// The principal who cancelled it before signing; after signing that is recorded by
@@ -149,7 +150,7 @@ pub enum WithdrawalEvent {
     /// the withdrawal shows `stuck_at_cap` until a bump or the chain moves it on.
     FeeCapReached {
         /// The live attempt that could not be raised.
-        tx_hash: String,
+        tx_hash: TxHash,
         /// `max_fee_per_gas_wei`, wei.
         cap: Amount,
         /// Chain head when found.
@@ -164,10 +165,10 @@ pub enum WithdrawalEvent {
         paid: bool,
         /// The transaction that paid.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        tx_hash: Option<String>,
+        tx_hash: Option<TxHash>,
         /// Its block.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        block_hash: Option<String>,
+        block_hash: Option<BlockHash>,
         /// The fee of the transaction that consumed the nonce, wei (charged either way).
         fee: Amount,
         /// The operator.
@@ -376,9 +377,9 @@ pub struct Withdrawal {
     /// Nonce, once signed.
     nonce: Option<Nonce>,
     /// The attempt that matters now: the latest signed, or the one mined.
-    tx_hash: Option<String>,
+    tx_hash: Option<TxHash>,
     /// Block of the mined attempt.
-    mined_block_hash: Option<String>,
+    mined_block_hash: Option<BlockHash>,
     /// Last sequence number applied.
     last_seq: i32,
     /// State before a cancel was requested.
@@ -388,7 +389,7 @@ pub struct Withdrawal {
     attempt_at_block: Option<u64>,
     /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
     /// or, after its block was reorged out, the one that had been mined.
-    live_attempt: Option<String>,
+    live_attempt: Option<TxHash>,
     /// The live attempt cannot be bumped within the fee cap (an alert was raised).
     stuck_at_cap: bool,
     /// Height of the block of the mined attempt.
@@ -460,13 +461,13 @@ impl Withdrawal {
     }
 
     /// The attempt that matters now: the latest signed, or the one mined.
-    pub fn tx_hash(&self) -> Option<&str> {
-        self.tx_hash.as_deref()
+    pub fn tx_hash(&self) -> Option<TxHash> {
+        self.tx_hash
     }
 
     /// Block of the mined attempt.
-    pub fn mined_block_hash(&self) -> Option<&str> {
-        self.mined_block_hash.as_deref()
+    pub fn mined_block_hash(&self) -> Option<BlockHash> {
+        self.mined_block_hash
     }
 
     /// Last sequence number applied.
@@ -487,8 +488,8 @@ impl Withdrawal {
 
     /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
     /// or, after its block was reorged out, the one that had been mined.
-    pub fn live_attempt(&self) -> Option<&str> {
-        self.live_attempt.as_deref()
+    pub fn live_attempt(&self) -> Option<TxHash> {
+        self.live_attempt
     }
 
     /// The live attempt cannot be bumped within the fee cap (an alert was raised).
@@ -606,14 +607,14 @@ impl Withdrawal {
                 self.attempt_at_block = Some(*at_block);
                 self.from_address = Some(from_address.clone());
                 self.nonce = *nonce;
-                self.tx_hash = Some(tx_hash.clone());
-                self.live_attempt = Some(tx_hash.clone());
+                self.tx_hash = Some(*tx_hash);
+                self.live_attempt = Some(*tx_hash);
                 if self.state != S::CancelRequested {
                     self.state = S::Signed;
                 }
             }
             E::Broadcast { tx_hash, at_block } => {
-                self.tx_hash = Some(tx_hash.clone());
+                self.tx_hash = Some(*tx_hash);
                 if let Some(at_block) = at_block {
                     self.attempt_at_block = Some(*at_block);
                 }
@@ -623,15 +624,15 @@ impl Withdrawal {
             }
             E::Bumped { tx_hash, at_block } => {
                 self.attempt_at_block = Some(*at_block);
-                self.live_attempt = Some(tx_hash.clone());
+                self.live_attempt = Some(*tx_hash);
                 self.stuck_at_cap = false;
                 if self.state != S::CancelRequested {
-                    self.tx_hash = Some(tx_hash.clone());
+                    self.tx_hash = Some(*tx_hash);
                 }
             }
             E::Mined { tx_hash, block_hash, block_number } => {
-                self.tx_hash = Some(tx_hash.clone());
-                self.mined_block_hash = Some(block_hash.clone());
+                self.tx_hash = Some(*tx_hash);
+                self.mined_block_hash = Some(*block_hash);
                 self.mined_block_number = Some(*block_number);
                 self.stuck_at_cap = false;
                 self.state = S::Mined;
@@ -641,7 +642,7 @@ impl Withdrawal {
                 // stands (whichever of our attempts mines next decides the outcome).
                 self.mined_block_hash = None;
                 self.mined_block_number = None;
-                self.live_attempt = Some(tx_hash.clone());
+                self.live_attempt = Some(*tx_hash);
                 self.state = if self.state_before_cancel.is_some() { S::CancelRequested } else { S::Broadcast };
             }
             E::FeeCapReached { .. } => self.stuck_at_cap = true,
@@ -649,8 +650,8 @@ impl Withdrawal {
                 self.stuck_at_cap = false;
                 self.settled = true;
                 if *paid {
-                    self.tx_hash = tx_hash.clone();
-                    self.mined_block_hash = block_hash.clone();
+                    self.tx_hash = *tx_hash;
+                    self.mined_block_hash = *block_hash;
                     self.state = S::Confirmed;
                 } else {
                     self.state = S::Cancelled;
@@ -670,7 +671,7 @@ impl Withdrawal {
             }
             E::Cancelled { tx_hash, .. } => {
                 if let Some(hash) = tx_hash {
-                    self.tx_hash = Some(hash.clone());
+                    self.tx_hash = Some(*hash);
                 }
                 self.settled = true;
                 self.state = S::Cancelled;
@@ -693,6 +694,16 @@ impl Withdrawal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An ETH transaction hash ending in `n`.
+    fn tx(n: u8) -> TxHash {
+        TxHash::Eth(alloy_primitives::B256::with_last_byte(n))
+    }
+
+    /// An ETH block hash ending in `n`.
+    fn block(n: u8) -> BlockHash {
+        BlockHash::Eth(alloy_primitives::B256::with_last_byte(n))
+    }
 
     #[test]
     fn attempt_kinds_round_trip_through_their_stored_names_and_unknown_names_are_refused() {
@@ -727,7 +738,7 @@ mod tests {
         let event = WithdrawalEvent::Signed {
             from_address: "0xab".into(),
             nonce: Some(Nonce::new(7)),
-            tx_hash: "0x01".into(),
+            tx_hash: tx(0x01),
             at_block: 3,
         };
         let json = serde_json::to_value(&event).expect("serialise");
@@ -743,9 +754,9 @@ mod tests {
         use WithdrawalEvent as E;
         use WithdrawalState as S;
         let signed =
-            E::Signed { from_address: "0xab".into(), nonce: Some(Nonce::ZERO), tx_hash: "0x01".into(), at_block: 1 };
-        let mined = E::Mined { tx_hash: "0x02".into(), block_hash: "0xb1".into(), block_number: 5 };
-        let cases: Vec<(Vec<WithdrawalEvent>, S, Option<&str>)> = vec![
+            E::Signed { from_address: "0xab".into(), nonce: Some(Nonce::ZERO), tx_hash: tx(0x01), at_block: 1 };
+        let mined = E::Mined { tx_hash: tx(0x02), block_hash: block(0xb1), block_number: 5 };
+        let cases: Vec<(Vec<WithdrawalEvent>, S, Option<TxHash>)> = vec![
             (vec![requested()], S::Requested, None),
             (vec![requested(), awaiting(1)], S::AwaitingApproval, None),
             (vec![requested(), awaiting(1), E::Approved { by: "x".into() }], S::Requested, None),
@@ -766,40 +777,40 @@ mod tests {
                 None,
             ),
             (
-                vec![requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into(), at_block: None }],
+                vec![requested(), signed.clone(), E::Broadcast { tx_hash: tx(0x01), at_block: None }],
                 S::Broadcast,
-                Some("0x01"),
+                Some(tx(0x01)),
             ),
             (
                 vec![
                     requested(),
                     signed.clone(),
-                    E::Broadcast { tx_hash: "0x01".into(), at_block: None },
-                    E::Bumped { tx_hash: "0x02".into(), at_block: 4 },
+                    E::Broadcast { tx_hash: tx(0x01), at_block: None },
+                    E::Bumped { tx_hash: tx(0x02), at_block: 4 },
                     mined.clone(),
                 ],
                 S::Mined,
-                Some("0x02"),
+                Some(tx(0x02)),
             ),
             (
                 vec![
                     requested(),
                     signed.clone(),
                     mined.clone(),
-                    E::Unmined { tx_hash: "0x02".into(), block_hash: "0xb1".into() },
+                    E::Unmined { tx_hash: tx(0x02), block_hash: block(0xb1) },
                 ],
                 S::Broadcast,
-                Some("0x02"),
+                Some(tx(0x02)),
             ),
             (
                 vec![
                     requested(),
                     signed.clone(),
                     E::CancelRequested { by: "x".into() },
-                    E::Bumped { tx_hash: "0x03".into(), at_block: 2 },
+                    E::Bumped { tx_hash: tx(0x03), at_block: 2 },
                 ],
                 S::CancelRequested,
-                Some("0x01"),
+                Some(tx(0x01)),
             ),
             (
                 vec![requested(), E::Cancelled { tx_hash: None, fee: Amount::ZERO, by: Some("client".into()) }],
@@ -807,10 +818,10 @@ mod tests {
                 None,
             ),
         ];
-        for (events, state, tx) in cases {
+        for (events, state, hash) in cases {
             let folded = Withdrawal::fold(crate::WithdrawalId::new(9), &events).expect("starts with requested");
             assert_eq!(folded.state, state, "{events:?}");
-            assert_eq!(folded.tx_hash.as_deref(), tx, "{events:?}");
+            assert_eq!(folded.tx_hash, hash, "{events:?}");
             assert_eq!(folded.last_seq as usize, events.len());
         }
         assert!(Withdrawal::fold(crate::WithdrawalId::new(9), &[E::Approved { by: "x".into() }]).is_none());
@@ -821,29 +832,29 @@ mod tests {
             &[
                 requested(),
                 signed.clone(),
-                E::Broadcast { tx_hash: "0x01".into(), at_block: Some(3) },
+                E::Broadcast { tx_hash: tx(0x01), at_block: Some(3) },
                 E::CancelRequested { by: "x".into() },
-                E::Bumped { tx_hash: "0x03".into(), at_block: 4 },
-                E::Mined { tx_hash: "0x01".into(), block_hash: "0xb1".into(), block_number: 5 },
-                E::Unmined { tx_hash: "0x01".into(), block_hash: "0xb1".into() },
+                E::Bumped { tx_hash: tx(0x03), at_block: 4 },
+                E::Mined { tx_hash: tx(0x01), block_hash: block(0xb1), block_number: 5 },
+                E::Unmined { tx_hash: tx(0x01), block_hash: block(0xb1) },
             ],
         )
         .unwrap();
         assert_eq!(raced.state, S::CancelRequested);
-        assert_eq!(raced.live_attempt.as_deref(), Some("0x01"));
+        assert_eq!(raced.live_attempt, Some(tx(0x01)));
         // Age counts from first acceptance, not from signing; a bump restarts it.
         let accepted = Withdrawal::fold(
             crate::WithdrawalId::new(9),
-            &[requested(), signed.clone(), E::Broadcast { tx_hash: "0x01".into(), at_block: Some(7) }],
+            &[requested(), signed.clone(), E::Broadcast { tx_hash: tx(0x01), at_block: Some(7) }],
         )
         .unwrap();
         assert_eq!(accepted.attempt_at_block, Some(7));
-        let cap = E::FeeCapReached { tx_hash: "0x01".into(), cap: Amount::from_u64(9), at_block: 8 };
+        let cap = E::FeeCapReached { tx_hash: tx(0x01), cap: Amount::from_u64(9), at_block: 8 };
         let stuck = Withdrawal::fold(crate::WithdrawalId::new(9), &[requested(), signed.clone(), cap.clone()]).unwrap();
         assert!(stuck.stuck_at_cap);
         let moved = Withdrawal::fold(
             crate::WithdrawalId::new(9),
-            &[requested(), signed.clone(), cap, E::Bumped { tx_hash: "0x04".into(), at_block: 9 }],
+            &[requested(), signed.clone(), cap, E::Bumped { tx_hash: tx(0x04), at_block: 9 }],
         )
         .unwrap();
         assert!(!moved.stuck_at_cap);

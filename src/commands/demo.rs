@@ -551,8 +551,10 @@ mod story {
         let btc_worker = BtcWorker::new(pool.clone(), BtcNode::new(rpc), keys, config);
         btc_worker.pass().await?;
         let client = pool.get().await?;
-        let original =
-            sql::load(&client, batch[0].get()).await?.and_then(|w| w.tx_hash().map(str::to_owned)).unwrap_or_default();
+        let original = sql::load(&client, batch[0].get())
+            .await?
+            .and_then(|w| w.tx_hash().map(|h| h.to_string()))
+            .unwrap_or_default();
         let row = client.query_one("select fee::text, vsize from btc_attempt where tx_hash = $1", &[&original]).await?;
         say(format!(
             "  one pass: coins reserved, one transaction signed (BIP-143) paying all three plus change, stored, sent: {original} ({} vB, fee {} sat)",
@@ -565,7 +567,7 @@ mod story {
         btc_worker.pass().await?;
         let bumped = sql::load(&client, batch[0].get())
             .await?
-            .and_then(|w| w.live_attempt().map(str::to_owned))
+            .and_then(|w| w.live_attempt().map(|h| h.to_string()))
             .unwrap_or_default();
         let row = client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&bumped]).await?;
         say(format!(
@@ -577,7 +579,11 @@ mod story {
         btc_worker.pass().await?;
         for id in &batch {
             let w = sql::load(&client, id.get()).await?.context("a demo withdrawal")?;
-            say(format!("  withdrawal {id}: {} by {}", w.state().as_str(), w.tx_hash().unwrap_or_default()));
+            say(format!(
+                "  withdrawal {id}: {} by {}",
+                w.state().as_str(),
+                w.tx_hash().map(|h| h.to_string()).unwrap_or_default()
+            ));
         }
         table(&pool, &accounts).await?;
 

@@ -417,7 +417,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     p.worker(bumping(50)).allocate_lane("b0").await.unwrap();
     let signed = p.load(w.id().get()).await;
     assert_eq!(signed.state(), WithdrawalState::Signed);
-    let original = signed.tx_hash().unwrap().to_owned();
+    let original = signed.tx_hash().unwrap().to_string();
     assert!(p.sim.mempool().is_empty(), "nothing was sent before the crash");
     let lane = hot_wallet::btc_lanes(&p.db.pool.get().await.unwrap()).await.unwrap().remove(0);
     assert_eq!(
@@ -441,7 +441,7 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1, "{report:?}");
     let bumped = p.load(w.id().get()).await;
-    let replacement = bumped.live_attempt().unwrap().to_owned();
+    let replacement = bumped.live_attempt().unwrap().to_string();
     assert_ne!(replacement, original);
     assert_eq!(p.sim.mempool(), vec![replacement.parse::<Txid>().unwrap()], "the replacement took its place");
     let client = p.db.client().await;
@@ -466,10 +466,10 @@ async fn stored_bytes_are_sent_after_a_crash_evictions_are_rebroadcast_and_a_ris
     assert!(p.load(w.id().get()).await.stuck_at_cap());
     assert_eq!(worker.pass().await.unwrap().fee_cap_reached, 0, "alerted once");
     // The last replacement mines and settles with its own fee; the others stay recorded.
-    let live = p.load(w.id().get()).await.live_attempt().unwrap().to_owned();
+    let live = p.load(w.id().get()).await.live_attempt().unwrap().to_string();
     p.settle(&[&worker], &[w.id().get()], 4).await;
     let done = p.load(w.id().get()).await;
-    assert_eq!((done.state(), done.tx_hash()), (WithdrawalState::Confirmed, Some(live.as_str())));
+    assert_eq!((done.state(), done.tx_hash().map(|h| h.to_string())), (WithdrawalState::Confirmed, Some(live.clone())));
     let fee: String =
         client.query_one("select fee::text from btc_attempt where tx_hash = $1", &[&live]).await.unwrap().get(0);
     assert!(
@@ -491,15 +491,18 @@ async fn btc_cancels_before_signing_after_broadcast_and_refused_inside_a_batch()
     // After broadcast: a replacement paying the coins back to us mines.
     let late = p.request("late", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    let original = p.load(late.id().get()).await.tx_hash().unwrap().to_owned();
+    let original = p.load(late.id().get()).await.tx_hash().unwrap().to_string();
     actions::cancel(&mut p.db.pool.get().await.unwrap(), late.id().get(), "alice").await.unwrap();
     let report = worker.pass().await.unwrap();
     assert_eq!(report.cancel_attempts, 1, "{report:?}");
-    let cancel = p.load(late.id().get()).await.live_attempt().unwrap().to_owned();
+    let cancel = p.load(late.id().get()).await.live_attempt().unwrap().to_string();
     assert_eq!(p.sim.mempool(), vec![cancel.parse::<Txid>().unwrap()], "the cancel replaced the original");
     p.settle(&[&worker], &[late.id().get()], 4).await;
     let done = p.load(late.id().get()).await;
-    assert_eq!((done.state(), done.tx_hash()), (WithdrawalState::Cancelled, Some(cancel.as_str())));
+    assert_eq!(
+        (done.state(), done.tx_hash().map(|h| h.to_string())),
+        (WithdrawalState::Cancelled, Some(cancel.clone()))
+    );
     assert_ne!(cancel, original);
     let txs = p.chain_txs();
     let to = p.sim.address(AddrKind::P2wpkh, 2).script_pubkey();
@@ -545,7 +548,7 @@ async fn a_reorged_payout_is_sent_again_and_settled_once() {
     let worker = p.worker(BtcConfig { confirmations: 3, ..BtcConfig::default() });
     let w = p.request("w", &p.sim.address(AddrKind::P2wsh, 2), 200_000).await.unwrap().withdrawal;
     worker.pass().await.unwrap();
-    let txid: Txid = p.load(w.id().get()).await.tx_hash().unwrap().parse().unwrap();
+    let txid: Txid = p.load(w.id().get()).await.tx_hash().unwrap().to_string().parse().unwrap();
     p.sim.mine_mempool();
     p.scan().await;
     worker.pass().await.unwrap();
@@ -768,7 +771,10 @@ async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
     let pass = run(env.clone(), &["work", "--once", "--config", &config]).await;
     assert_eq!(pass.code, 0, "{}{}", pass.stdout, pass.stderr);
     assert_eq!(pass.stdout.trim(), "btc: 1 signed, 1 broadcast", "a report for people, not a debug dump");
-    assert_eq!(p.sim.mempool(), vec![p.load(w.id().get()).await.tx_hash().unwrap().parse::<Txid>().unwrap()]);
+    assert_eq!(
+        p.sim.mempool(),
+        vec![p.load(w.id().get()).await.tx_hash().unwrap().to_string().parse::<Txid>().unwrap()]
+    );
     p.sim.mine_mempool();
     p.scan().await;
     let pass = run(env, &["work", "--once", "--config", &config, "--json"]).await;

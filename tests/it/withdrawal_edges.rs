@@ -159,7 +159,7 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     worker.pass().await.unwrap();
     work_until_state(&h, &worker, true, w.id().get(), WithdrawalState::Confirmed).await;
     let confirmed = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
-    let hash = confirmed.tx_hash().unwrap().to_owned();
+    let hash = confirmed.tx_hash().unwrap();
     let raw = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get())
         .await
         .unwrap()
@@ -212,7 +212,7 @@ async fn a_confirmed_payment_reorged_out_deeper_than_the_depth_goes_back_to_revi
     let _ = raw;
     let sent = cli(args(&format!("withdrawals rebroadcast --id {} --json", w.id()))).await;
     assert_eq!(sent.code, 0, "{}", sent.stderr);
-    assert_eq!(sent.json()["tx_hash"], hash.as_str());
+    assert_eq!(sent.json()["tx_hash"], hash.to_string());
     let again = cli(args(&format!("withdrawals rebroadcast --id {}", w.id()))).await;
     assert_eq!(again.code, 0, "already known is sent: {}", again.stderr);
     assert_eq!(h.count(&format!("select count(*) from withdrawal_attempt where withdrawal_id = {}", w.id())).await, 1);

@@ -2,7 +2,7 @@
 //! resolve one that needs review.
 
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::Amount;
+use custodian_domain::{Amount, BlockHash, TxHash};
 
 use crate::payout::{hex, token_of, token_paid};
 use crate::rpc::EthNode;
@@ -257,8 +257,8 @@ pub async fn resolve(
             let fee = Amount::from_units(receipt.fee);
             WithdrawalEvent::Resolved {
                 paid: true,
-                tx_hash: Some(hex(parsed)),
-                block_hash: Some(hex(block_hash)),
+                tx_hash: Some(TxHash::Eth(parsed)),
+                block_hash: Some(BlockHash::Eth(block_hash)),
                 fee,
                 by: by.to_owned(),
             }
@@ -279,7 +279,7 @@ pub async fn resolve(
                      cancel it"
                 ))
             })?;
-            let consumer_hash = hex(consumer.hash);
+            let consumer_hash = TxHash::Eth(consumer.hash);
             if sql::attempts(&*client, id).await?.iter().any(|a| a.tx_hash == consumer_hash) {
                 return Err(refuse(format!(
                     "its own attempt {consumer_hash} consumed the nonce: resolve it with --paid-by {consumer_hash} if it paid"
@@ -287,7 +287,9 @@ pub async fn resolve(
             }
             let receipt = node.receipt(consumer.hash).await.map_err(node_error)?;
             let receipt = receipt.ok_or_else(|| refuse(format!("transaction {consumer_hash} has no receipt yet")))?;
-            buried(node, &receipt, confirmations, &consumer_hash).await.map_err(|e| e.for_withdrawal(id))?;
+            buried(node, &receipt, confirmations, &consumer_hash.to_string())
+                .await
+                .map_err(|e| e.for_withdrawal(id))?;
             if receipt.success && paid_by(&w, hot, &consumer, &receipt) == w.amount().units() {
                 return Err(refuse(format!(
                     "transaction {consumer_hash} consumed nonce {nonce} and pays the destination what the withdrawal \
@@ -297,7 +299,7 @@ pub async fn resolve(
             WithdrawalEvent::Resolved {
                 paid: false,
                 tx_hash: Some(consumer_hash),
-                block_hash: consumer.block_hash.map(hex),
+                block_hash: consumer.block_hash.map(BlockHash::Eth),
                 fee: Amount::from_units(receipt.fee),
                 by: by.to_owned(),
             }
@@ -490,7 +492,7 @@ impl ActionError {
 /// payment reorged out deeper than the confirmation depth), so that it can mine again and be
 /// resolved `--paid-by`. Nothing is signed and nothing is written; the node's answer is returned
 /// ("already known" counts as sent).
-pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<String, ActionError> {
+pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<TxHash, ActionError> {
     let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
     if w.state() != WithdrawalState::NeedsReview {
         return Err(ActionError::WrongState {
@@ -501,7 +503,6 @@ pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id:
     }
     let hash = w
         .tx_hash()
-        .map(str::to_owned)
         .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
     let attempt = sql::attempts(client, id).await?.into_iter().find(|a| a.tx_hash == hash).ok_or_else(|| {
         ActionError::Evidence { id, reason: format!("its transaction {hash} is not one of its attempts") }

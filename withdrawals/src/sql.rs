@@ -6,8 +6,8 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::WithdrawalId;
 use custodian_domain::{posting_rules, Nonce};
+use custodian_domain::{Chain, TxHash, WithdrawalId};
 use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -112,8 +112,8 @@ pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
         lane: w.lane().to_string(),
         from_address: w.from_address().map(str::to_owned),
         nonce: w.nonce().map(Nonce::stored),
-        tx_hash: w.tx_hash().map(str::to_owned),
-        mined_block_hash: w.mined_block_hash().map(str::to_owned),
+        tx_hash: w.tx_hash().map(|h| h.to_string()),
+        mined_block_hash: w.mined_block_hash().map(|h| h.to_string()),
         last_seq: w.last_seq(),
         requested_by: w.requested_by().to_owned(),
         stuck_at_cap: w.stuck_at_cap(),
@@ -220,7 +220,7 @@ impl Intent {
 #[derive(Debug, Clone)]
 pub struct Attempt {
     /// Hash.
-    pub tx_hash: String,
+    pub tx_hash: TxHash,
     /// How it came to be signed.
     pub kind: AttemptKind,
     /// What it was signed to do.
@@ -279,7 +279,7 @@ pub fn stored_kind(kind: &str) -> AttemptKind {
 /// An attempt from `tx_hash, kind, intent, raw_tx, max_fee` starting at column `at`.
 fn attempt_from_row(r: &tokio_postgres::Row, at: usize) -> Attempt {
     Attempt {
-        tx_hash: r.get(at),
+        tx_hash: TxHash::parse(Chain::Eth, r.get(at)).expect("BUG: withdrawal_attempt.tx_hash is checked by the table"),
         kind: stored_kind(r.get(at + 1)),
         intent: stored_intent(r.get(at + 2)),
         raw: r.get(at + 3),
@@ -300,7 +300,7 @@ pub struct NewAttempt<'a> {
     /// Destination, value and calldata it was signed with.
     pub call: (&'a str, U256, &'a [u8]),
     /// Hash.
-    pub hash: &'a str,
+    pub hash: &'a TxHash,
     /// Exact bytes.
     pub raw: &'a [u8],
     /// Max fee per gas, wei.
@@ -316,12 +316,13 @@ pub async fn insert_attempt(
     a: &NewAttempt<'_>,
 ) -> Result<(), tokio_postgres::Error> {
     let (to, value, data) = a.call;
+    let hash = a.hash.to_string();
     tx.execute(
         "insert into withdrawal_attempt (tx_hash, withdrawal_id, chain, from_address, nonce, kind, intent, intent_to,
                                          intent_value, intent_data, raw_tx, max_fee, priority_fee)
          values ($1, $2, 'eth', $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         &[
-            &a.hash,
+            &hash,
             &w.id().get(),
             &a.from,
             &a.nonce.stored(),

@@ -44,8 +44,8 @@ fn withdrawal(listed: Listed) -> pb::Withdrawal {
         lane: w.lane().to_string(),
         from_address: w.from_address().map(|a| wire::display_address(Chain::Eth, a)),
         nonce: w.nonce().map(Nonce::get),
-        tx_hash: w.tx_hash().map(str::to_owned),
-        mined_block_hash: w.mined_block_hash().map(str::to_owned),
+        tx_hash: w.tx_hash().map(|h| h.to_string()),
+        mined_block_hash: w.mined_block_hash().map(|h| h.to_string()),
         attempts: attempts
             .into_iter()
             .map(|a| pb::Attempt {

@@ -21,7 +21,7 @@ use alloy_primitives::U256;
 use bitcoin::consensus::{deserialize, serialize};
 use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BtcAddress, BtcNetwork};
+use custodian_domain::{Amount, BlockHash, BtcAddress, BtcNetwork, Chain, TxHash};
 use custodian_store::{Pipelined, Pool};
 use deadpool_postgres::GenericClient;
 use tokio::sync::watch;
@@ -477,7 +477,8 @@ impl BtcWorker {
         let prevouts: Vec<(KeyPath, bitcoin::Amount)> =
             spent.iter().map(|c| (c.path, bitcoin::Amount::from_sat(c.amount))).collect();
         key.sign(&mut signed, &prevouts);
-        let txid = signed.compute_txid().to_string();
+        let tx_hash = TxHash::Btc(signed.compute_txid());
+        let txid = tx_hash.to_string();
         let raw = serialize(&signed);
         let vsize = i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes");
         let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id().get()).collect();
@@ -490,13 +491,7 @@ impl BtcWorker {
         let payloads: Vec<serde_json::Value> = ready
             .iter()
             .map(|_| {
-                WithdrawalEvent::Signed {
-                    from_address: address.clone(),
-                    nonce: None,
-                    tx_hash: txid.clone(),
-                    at_block: tip,
-                }
-                .payload()
+                WithdrawalEvent::Signed { from_address: address.clone(), nonce: None, tx_hash, at_block: tip }.payload()
             })
             .collect();
         let coin_txids: Vec<String> = spent.iter().map(|c| c.outpoint.txid.to_string()).collect();
@@ -602,7 +597,8 @@ impl BtcWorker {
         Ok(rows.iter().map(|r| OpenSpend { id: r.get(0), withdrawals: r.get(1) }).collect())
     }
 
-    async fn attempt<C: GenericClient>(client: &C, tx_hash: &str) -> Result<StoredAttempt, WorkError> {
+    async fn attempt<C: GenericClient>(client: &C, tx_hash: TxHash) -> Result<StoredAttempt, WorkError> {
+        let tx_hash = tx_hash.to_string();
         let row = client
             .query_one(
                 "select raw_tx, fee, vsize, kind, change_output, change_index from btc_attempt where tx_hash = $1",
@@ -699,43 +695,42 @@ impl BtcWorker {
             let Some(found) = mine.first() else {
                 if w.state() == WithdrawalState::Mined {
                     let event = WithdrawalEvent::Unmined {
-                        tx_hash: w.tx_hash().expect("BUG: mined without a hash").to_owned(),
-                        block_hash: w.mined_block_hash().expect("BUG: mined without a block").to_owned(),
+                        tx_hash: w.tx_hash().expect("BUG: mined without a hash"),
+                        block_hash: w.mined_block_hash().expect("BUG: mined without a block"),
                     };
                     tracing::warn!(lane = %lane.lane, spend = spend.id, "a mined BTC spend left the canonical chain; its bytes go out again");
                     report.unmined += self.record_all(spend, |w| w.state() == WithdrawalState::Mined, &event).await?;
                 }
                 continue;
             };
-            let (tx_hash, block_hash, height): (String, String, i64) = (found.get(3), found.get(4), found.get(5));
+            let tx_hash =
+                TxHash::parse(Chain::Btc, found.get(3)).expect("BUG: output_spend.spending_tx is checked by the table");
+            let block_hash = BlockHash::parse(Chain::Btc, found.get(4))
+                .expect("BUG: chain_block.block_hash is checked by the table");
+            let height: i64 = found.get(5);
             let kind: Option<AttemptKind> = found.get::<_, Option<&str>>(6).map(sql::stored_kind);
             let height = u64::try_from(height).expect("BUG: negative height");
             let same = w.state() == WithdrawalState::Mined
-                && w.tx_hash() == Some(tx_hash.as_str())
-                && w.mined_block_hash() == Some(block_hash.as_str());
+                && w.tx_hash() == Some(tx_hash)
+                && w.mined_block_hash() == Some(block_hash);
             if !same {
                 if w.state() == WithdrawalState::Mined {
                     let event = WithdrawalEvent::Unmined {
-                        tx_hash: w.tx_hash().expect("BUG: mined without a hash").to_owned(),
-                        block_hash: w.mined_block_hash().expect("BUG: mined without a block").to_owned(),
+                        tx_hash: w.tx_hash().expect("BUG: mined without a hash"),
+                        block_hash: w.mined_block_hash().expect("BUG: mined without a block"),
                     };
                     report.unmined += self.record_all(spend, |w| w.state() == WithdrawalState::Mined, &event).await?;
                 }
-                let event = WithdrawalEvent::Mined {
-                    tx_hash: tx_hash.clone(),
-                    block_hash: block_hash.clone(),
-                    block_number: height,
-                };
+                let event = WithdrawalEvent::Mined { tx_hash, block_hash, block_number: height };
                 report.mined += self.record_all(spend, |w| UNMINED.contains(&w.state()), &event).await?;
             }
             if tip + 1 < height + self.config.confirmations {
                 continue;
             }
-            let attempt = Self::attempt(&client, &tx_hash).await?;
+            let attempt = Self::attempt(&client, tx_hash).await?;
             let mined = |w: &Withdrawal| w.state() == WithdrawalState::Mined;
             if kind == Some(AttemptKind::Cancel) {
-                let event =
-                    WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash.clone()), fee: units(attempt.fee), by: None };
+                let event = WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee: units(attempt.fee), by: None };
                 report.cancelled += self.record_all(spend, mined, &event).await?;
                 continue;
             }
@@ -751,8 +746,7 @@ impl BtcWorker {
                 payouts.iter().map(|r| r.get::<_, i64>(0)).zip(fee_shares(attempt.fee, &weights)).collect();
             for id in &spend.withdrawals {
                 let fee = units(shares[id]);
-                let event =
-                    WithdrawalEvent::Confirmed { tx_hash: tx_hash.clone(), block_hash: block_hash.clone(), fee };
+                let event = WithdrawalEvent::Confirmed { tx_hash, block_hash, fee };
                 if record(&self.pool, *id, mined, event).await? {
                     report.confirmed += 1;
                 }
@@ -769,12 +763,12 @@ impl BtcWorker {
         let mut refused = HashSet::new();
         for spend in Self::open_spends(&client, lane.lane.as_str(), &UNMINED).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
-            let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
-            let attempt = Self::attempt(&client, &live).await?;
+            let Some(live) = w.live_attempt() else { continue };
+            let attempt = Self::attempt(&client, live).await?;
             match self.node.send(&attempt.raw).await? {
                 Sent::Accepted | Sent::AlreadyKnown => {
                     if w.state() == WithdrawalState::Signed {
-                        let event = WithdrawalEvent::Broadcast { tx_hash: live.clone(), at_block: Some(tip) };
+                        let event = WithdrawalEvent::Broadcast { tx_hash: live, at_block: Some(tip) };
                         let still = |w: &Withdrawal| w.state() == WithdrawalState::Signed;
                         report.broadcast += self.record_all(&spend, still, &event).await?;
                     } else {
@@ -840,8 +834,8 @@ impl BtcWorker {
             if w.stuck_at_cap() || !(refused.contains(&spend.id) || aged) {
                 continue;
             }
-            let live = w.live_attempt().expect("BUG: a signed withdrawal without a live attempt").to_owned();
-            let attempt = Self::attempt(&client, &live).await?;
+            let live = w.live_attempt().expect("BUG: a signed withdrawal without a live attempt");
+            let attempt = Self::attempt(&client, live).await?;
             let mut replacement: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
             let prevouts = Self::reserved(&client, spend.id, &replacement).await?;
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
@@ -865,7 +859,7 @@ impl BtcWorker {
             });
             let Some((fee, change_output)) = raised else {
                 let event = WithdrawalEvent::FeeCapReached {
-                    tx_hash: live.clone(),
+                    tx_hash: live,
                     cap: units(self.config.max_fee_rate.0),
                     at_block: tip,
                 };
@@ -882,7 +876,7 @@ impl BtcWorker {
             let change_index = change_output.and(attempt.change_index);
             let kind = attempt.kind.replaced();
             if self
-                .store_replacement(lane, &spend, &live, kind, &replacement, fee, change_output, change_index, None, tip)
+                .store_replacement(lane, &spend, live, kind, &replacement, fee, change_output, change_index, None, tip)
                 .await?
             {
                 report.bumped += 1;
@@ -901,7 +895,7 @@ impl BtcWorker {
         &self,
         lane: &Lane,
         spend: &OpenSpend,
-        live: &str,
+        live: TxHash,
         kind: AttemptKind,
         replacement: &Transaction,
         fee: u64,
@@ -943,7 +937,8 @@ impl BtcWorker {
             )
             .await?;
         }
-        let txid = replacement.compute_txid().to_string();
+        let tx_hash = TxHash::Btc(replacement.compute_txid());
+        let txid = tx_hash.to_string();
         tx.execute(
             "insert into btc_attempt (tx_hash, spend_id, kind, raw_tx, fee, vsize, change_output, change_index)
              values ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -960,7 +955,7 @@ impl BtcWorker {
         )
         .await?;
         for mut w in locked {
-            sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: txid.clone(), at_block: tip }).await?;
+            sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash, at_block: tip }).await?;
         }
         tx.commit().await?;
         metrics::counter!("custodian_bumps_total", "lane" => lane.lane.to_string()).increment(1);
@@ -974,8 +969,8 @@ impl BtcWorker {
         let client = self.pool.get().await?;
         for spend in Self::open_spends(&client, lane.lane.as_str(), &[WithdrawalState::CancelRequested]).await? {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
-            let Some(live) = w.live_attempt().map(str::to_owned) else { continue };
-            let attempt = Self::attempt(&client, &live).await?;
+            let Some(live) = w.live_attempt() else { continue };
+            let attempt = Self::attempt(&client, live).await?;
             if attempt.kind == AttemptKind::Cancel {
                 continue;
             }
@@ -1004,7 +999,7 @@ impl BtcWorker {
                 .store_replacement(
                     lane,
                     &spend,
-                    &live,
+                    live,
                     AttemptKind::Cancel,
                     &cancel,
                     fee,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
-use custodian_domain::Nonce;
+use custodian_domain::{Nonce, TxHash};
 
 use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
@@ -44,7 +44,7 @@ impl Worker {
         &self,
         lane: &Lane,
         report: &mut PassReport,
-    ) -> Result<HashMap<i64, String>, WorkError> {
+    ) -> Result<HashMap<i64, TxHash>, WorkError> {
         let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
         let (mined, pending) = futures::try_join!(self.node.nonce(address, false), self.node.nonce(address, true))?;
         let client = self.pool.get().await?;
@@ -88,7 +88,7 @@ impl Worker {
         let sent_before: Vec<B256> = open
             .iter()
             .filter(|(_, first, _)| !first)
-            .map(|(_, _, a)| a.tx_hash.parse().expect("BUG: stored hash"))
+            .map(|(_, _, a)| a.tx_hash.eth().expect("BUG: an ETH attempt"))
             .collect();
         let mut known = self.node.knows_all(&sent_before).await?.into_iter();
         let to_send: Vec<_> = open
@@ -115,14 +115,14 @@ impl Worker {
                 Sent::Accepted if first => broadcast.push(Recording {
                     id,
                     still: Box::new(|w| w.state() == WithdrawalState::Signed),
-                    event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash.clone(), at_block: Some(accepted_at) },
+                    event: WithdrawalEvent::Broadcast { tx_hash: live.tx_hash, at_block: Some(accepted_at) },
                 }),
                 Sent::Accepted => {
                     tracing::info!(withdrawal = %id, tx = %live.tx_hash, "the node had lost the attempt; sent the same bytes again");
                     report.rebroadcast += 1;
                 }
                 Sent::Underpriced => {
-                    refused.insert(id, live.tx_hash.clone());
+                    refused.insert(id, live.tx_hash);
                 }
                 Sent::Pending => {}
             }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use alloy::consensus::TxEip1559;
 use alloy_primitives::{TxKind, U256};
 use custodian_domain::withdrawal::WithdrawalEvent;
-use custodian_domain::Nonce;
+use custodian_domain::{Nonce, TxHash};
 use custodian_store::Pipelined;
 
 use super::allocation::{review_tampered, verified_request};
@@ -210,15 +210,15 @@ impl Worker {
             return Ok(0);
         }
         for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
-            let hash = hex(signed_tx.hash);
+            let hash = TxHash::Eth(signed_tx.hash);
             let event = WithdrawalEvent::Signed {
                 from_address: lane.address.clone(),
                 nonce: Some(Nonce::from_stored(*nonce)),
-                tx_hash: hash.clone(),
+                tx_hash: hash,
                 at_block: head,
             };
             batch.payloads.push(event.payload());
-            batch.hashes.push(hash);
+            batch.hashes.push(hash.to_string());
             batch.raws.push(signed_tx.raw);
         }
         let signed = batch.ids.len() as u64;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use alloy_primitives::{Address, Bytes, TxKind, U256};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, Nonce};
+use custodian_domain::{Amount, Nonce, TxHash};
 
 use super::{PassReport, WorkError, Worker};
 use crate::hot_wallet::Lane;
@@ -66,7 +66,7 @@ impl Worker {
         &self,
         lane: &Lane,
         signer: &dyn Signer,
-        refused: &HashMap<i64, String>,
+        refused: &HashMap<i64, TxHash>,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
@@ -108,7 +108,7 @@ impl Worker {
     /// replaced it since; an original the node never took included). A cancel is bumped like a
     /// payout once it exists; a cancel requested and not yet signed is signed by
     /// [`Worker::cancel_attempts`], never replaced by a payout.
-    fn bump_due(&self, w: &Withdrawal, attempts: &[sql::Attempt], head: u64, refused: Option<&String>) -> bool {
+    fn bump_due(&self, w: &Withdrawal, attempts: &[sql::Attempt], head: u64, refused: Option<&TxHash>) -> bool {
         let refused = refused.is_some_and(|hash| live(w, attempts).is_some_and(|a| a.tx_hash == *hash));
         let aged = w.attempt_at_block().is_some_and(|at| head >= at + self.config.bump_after_blocks);
         match w.state() {
@@ -131,7 +131,7 @@ impl Worker {
         signer: &dyn Signer,
         id: i64,
         why: Why,
-        refused: Option<&String>,
+        refused: Option<&TxHash>,
     ) -> Result<Replaced, WorkError> {
         let (base, tip) = self.node.fees().await?;
         let head = self.node.block_number().await?;
@@ -159,11 +159,8 @@ impl Worker {
             if w.stuck_at_cap() {
                 return Ok(Replaced::AtCap { newly: false });
             }
-            let event = WithdrawalEvent::FeeCapReached {
-                tx_hash: live.tx_hash.clone(),
-                cap: Amount::from_units(cap),
-                at_block: head,
-            };
+            let event =
+                WithdrawalEvent::FeeCapReached { tx_hash: live.tx_hash, cap: Amount::from_units(cap), at_block: head };
             sql::append(&tx, &mut w, event).await?;
             tx.commit().await?;
             metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
@@ -186,7 +183,7 @@ impl Worker {
         }
         let call = payout::Call::of(&next).expect("BUG: we never sign a creation");
         let signed = signer.sign(next)?;
-        let hash = hex(signed.hash);
+        let hash = TxHash::Eth(signed.hash);
         let kind = if why == Why::Cancel { AttemptKind::Cancel } else { AttemptKind::Bump };
         let to = hex(call.to);
         let attempt = NewAttempt {
@@ -201,7 +198,7 @@ impl Worker {
             priority_fee,
         };
         sql::insert_attempt(&tx, &w, &attempt).await?;
-        sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: hash.clone(), at_block: head }).await?;
+        sql::append(&tx, &mut w, WithdrawalEvent::Bumped { tx_hash: hash, at_block: head }).await?;
         tx.commit().await?;
         metrics::counter!("custodian_bumps_total", "kind" => kind.as_str()).increment(1);
         if let Err(e) = self.node.send_raw(&signed.raw).await {

@@ -4,11 +4,11 @@
 
 use alloy_primitives::{Address, B256};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, Nonce};
+use custodian_domain::{Amount, BlockHash, Nonce, TxHash};
 
 use super::{PassReport, Recording, WorkError, Worker, UNMINED};
 use crate::hot_wallet::Lane;
-use crate::payout::{self, cancel_call, classify, hex, payout_call, token_of, token_paid};
+use crate::payout::{self, cancel_call, classify, payout_call, token_of, token_paid};
 use crate::rpc::Receipt;
 use crate::sql::{self, Intent};
 
@@ -44,7 +44,7 @@ impl Worker {
             .collect();
         let hashes: Vec<B256> = used
             .iter()
-            .flat_map(|(_, _, attempts)| attempts.iter().map(|a| a.tx_hash.parse().expect("BUG: stored hash")))
+            .flat_map(|(_, _, attempts)| attempts.iter().map(|a| a.tx_hash.eth().expect("BUG: an ETH attempt")))
             .collect();
         let mut receipts = self.node.receipts(&hashes).await?.into_iter();
         let mut mined_now = Vec::new();
@@ -64,7 +64,7 @@ impl Worker {
                         still: Box::new(|w| UNMINED.contains(&w.state())),
                         event: WithdrawalEvent::Mined {
                             tx_hash: attempt.tx_hash,
-                            block_hash: hex(receipt.block_hash),
+                            block_hash: BlockHash::Eth(receipt.block_hash),
                             block_number: receipt.block_number,
                         },
                     });
@@ -113,24 +113,22 @@ impl Worker {
         let mut mined_attempts = sql::attempts_many(&client, &mined_ids).await?.into_iter();
         let hashes: Vec<B256> = mined
             .iter()
-            .map(|w| w.tx_hash().expect("BUG: mined without a hash").parse().expect("BUG: stored hash"))
+            .map(|w| w.tx_hash().and_then(TxHash::eth).expect("BUG: an ETH withdrawal mined without a hash"))
             .collect();
         let receipts = self.node.receipts(&hashes).await?;
         let mut settled = Vec::new();
         for (w, receipt) in mined.into_iter().zip(receipts) {
             let attempts_of_this = mined_attempts.next().expect("BUG: one attempt list per withdrawal");
             let id = w.id();
-            let tx_hash = w.tx_hash().expect("BUG: mined without a hash").to_owned();
-            let mined_in = w.mined_block_hash().expect("BUG: mined without a block").to_owned();
-            let expected = mined_in.clone();
-            let still_mined_there = move |w: &Withdrawal| {
-                w.state() == WithdrawalState::Mined && w.mined_block_hash() == Some(expected.as_str())
-            };
-            let Some(receipt) = receipt.filter(|r| hex(r.block_hash) == mined_in) else {
+            let tx_hash = w.tx_hash().expect("BUG: mined without a hash");
+            let mined_in = w.mined_block_hash().expect("BUG: mined without a block");
+            let still_mined_there =
+                move |w: &Withdrawal| w.state() == WithdrawalState::Mined && w.mined_block_hash() == Some(mined_in);
+            let Some(receipt) = receipt.filter(|r| BlockHash::Eth(r.block_hash) == mined_in) else {
                 // Unmined only when the chain no longer has that block at that height: a node that
                 // lost a receipt (a lagging replica, an answer from a stale block) is not a reorg.
                 let height = w.mined_block_number().expect("BUG: mined without a height");
-                if self.node.block_hash(height).await?.map(hex).as_deref() == Some(mined_in.as_str()) {
+                if self.node.block_hash(height).await?.map(BlockHash::Eth) == Some(mined_in) {
                     tracing::warn!(withdrawal = %id, %tx_hash, "the node has the mined block but no receipt for it; asked again next pass");
                     continue;
                 }
@@ -148,7 +146,7 @@ impl Worker {
             }
             let attempts = attempts_of_this;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
-            let event = outcome(&w, address, mined, &receipt, &mined_in);
+            let event = outcome(&w, address, mined, &receipt, mined_in);
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
             settled.push((
                 Recording { id: id.get(), still: Box::new(still_mined_there), event: event.clone() },
@@ -211,7 +209,7 @@ impl Worker {
             let reason = format!(
                 "confirmed in block {} (height {}), but the chain no longer holds its transaction: nonce {nonce} is not \
                  counted at block {head} (a reorg deeper than the confirmation depth of {})",
-                w.mined_block_hash().unwrap_or("?"),
+                w.mined_block_hash().map_or("?".to_owned(), |h| h.to_string()),
                 w.mined_block_number().map_or("?".to_owned(), |h| h.to_string()),
                 self.config.confirmations
             );
@@ -301,9 +299,9 @@ fn outcome(
     hot_wallet: Address,
     mined: &sql::Attempt,
     receipt: &Receipt,
-    block_hash: &str,
+    block_hash: BlockHash,
 ) -> WithdrawalEvent {
-    let tx_hash = mined.tx_hash.clone();
+    let tx_hash = mined.tx_hash;
     let tx = payout::decode(&mined.raw);
     match classify(&tx, &payout_call(w), &cancel_call(hot_wallet)) {
         Some(intent) => {
@@ -331,12 +329,11 @@ fn settle_as(
     w: &Withdrawal,
     intent: Intent,
     hot_wallet: Address,
-    tx_hash: String,
-    block_hash: &str,
+    tx_hash: TxHash,
+    block_hash: BlockHash,
     receipt: &Receipt,
 ) -> WithdrawalEvent {
     let fee = Amount::from_units(receipt.fee);
-    let block_hash = block_hash.to_owned();
     if intent == Intent::Cancel {
         return WithdrawalEvent::Cancelled { tx_hash: Some(tx_hash), fee, by: None };
     }

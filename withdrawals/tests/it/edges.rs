@@ -125,8 +125,7 @@ async fn a_cancel_whose_block_is_reorged_out_and_then_bumped_settles_as_cancelle
     assert_eq!(worker.pass().await.unwrap().cancel_attempts, 1);
     h.mine(1).await;
     assert_eq!(worker.pass().await.unwrap().mined, 1);
-    let cancel =
-        sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
+    let cancel = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap();
     let mined = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
     assert_eq!(mined.iter().find(|a| a.tx_hash == cancel).unwrap().intent, sql::Intent::Cancel, "the cancel mined");
 
@@ -144,7 +143,7 @@ async fn a_cancel_whose_block_is_reorged_out_and_then_bumped_settles_as_cancelle
     // The mined cancel's bytes were resent, refused at the spiked base fee, and replaced by a
     // bump that keeps the cancel's intent (the lowest open nonce, refused as underpriced).
     let live = sql::attempts(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap();
-    let live = live.iter().find(|a| Some(a.tx_hash.as_str()) == after.live_attempt()).unwrap();
+    let live = live.iter().find(|a| Some(a.tx_hash) == after.live_attempt()).unwrap();
     assert_eq!(live.intent, sql::Intent::Cancel, "the live attempt is still a cancel");
     assert!(event_types(&h, w.id().get()).await.ends_with(&["unmined".to_owned(), "bumped".to_owned()]));
     assert_ne!(live.tx_hash, cancel);
@@ -155,7 +154,7 @@ async fn a_cancel_whose_block_is_reorged_out_and_then_bumped_settles_as_cancelle
     let last = attempts.last().unwrap();
     assert_eq!((last.kind.as_str(), last.intent), ("bump", sql::Intent::Cancel), "the bump kept the cancel's intent");
     let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
-    assert_eq!(done.tx_hash(), Some(last.tx_hash.as_str()), "settled on the bumped cancel");
+    assert_eq!(done.tx_hash(), Some(last.tx_hash), "settled on the bumped cancel");
     assert_eq!(h.balance(&to).await, U256::ZERO, "the destination was never paid");
     assert_eq!(h.available(alice).await, (10 * ETHER).to_string(), "nothing paid, nothing debited");
     assert_eq!(h.count("select count(*) from ledger_transfer where kind = 'withdrawal_settle'").await, 0);

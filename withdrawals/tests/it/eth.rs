@@ -256,13 +256,13 @@ async fn a_worker_stopped_after_commit_and_before_broadcast_sends_the_same_bytes
     }
     let signed = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
     assert_eq!(signed.state(), WithdrawalState::Signed);
-    let stored_hash = signed.tx_hash().unwrap().to_owned();
+    let stored_hash = signed.tx_hash().unwrap().to_string();
     assert!(h.anvil.rpc("eth_getTransactionByHash", json!([stored_hash])).await.unwrap().is_null(), "never sent");
 
     let restarted = h.worker(config(1));
     work_until_state(&h, &restarted, false, w.id().get(), WithdrawalState::Confirmed).await;
     let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
-    assert_eq!(done.tx_hash(), Some(stored_hash.as_str()), "the stored bytes were sent, not re-signed");
+    assert_eq!(done.tx_hash().map(|h| h.to_string()), Some(stored_hash), "the stored bytes were sent, not re-signed");
     assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 1);
     assert_eq!(h.balance(&destination(11)).await, U256::from(ETHER));
 }
@@ -276,7 +276,7 @@ async fn a_transaction_dropped_from_the_mempool_is_sent_again_and_mined() {
     let report = worker.pass().await.unwrap();
     assert_eq!((report.signed, report.broadcast), (1, 1));
     let hash =
-        sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap().to_owned();
+        sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap().tx_hash().unwrap().to_string();
     h.rpc("anvil_dropTransaction", json!([hash])).await;
     assert!(h.anvil.rpc("eth_getTransactionByHash", json!([hash])).await.unwrap().is_null());
     let report = worker.pass().await.unwrap();
@@ -311,7 +311,7 @@ async fn a_base_fee_spike_is_answered_by_a_bump_that_settlement_finds_by_nonce()
     assert_eq!(attempts[1].kind, custodian_domain::withdrawal::AttemptKind::Bump);
     assert!(attempts[1].max_fee * U256::from(8) >= attempts[0].max_fee * U256::from(9), "raised at least 12.5%");
     let done = sql::load(&h.db.pool.get().await.unwrap(), w.id().get()).await.unwrap().unwrap();
-    assert_eq!(done.tx_hash(), Some(attempts[1].tx_hash.as_str()), "settled on the bump");
+    assert_eq!(done.tx_hash(), Some(attempts[1].tx_hash), "settled on the bump");
     assert_eq!(h.balance(&destination(13)).await, U256::from(ETHER));
 }
 
