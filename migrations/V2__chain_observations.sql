@@ -114,12 +114,7 @@ create table chain_identity (
     constraint chain_identity_chain_id_iff_eth check ((chain = 'eth') = (chain_id is not null))
 );
 
-create trigger chain_identity_append_only
-    before update or delete on chain_identity
-    for each row execute function reject_mutation();
-create trigger chain_identity_no_truncate
-    before truncate on chain_identity
-    for each statement execute function reject_mutation();
+call append_only('chain_identity');
 
 -- ------------------------------------------------------------------ blocks and their verdicts
 
@@ -181,12 +176,7 @@ create table block_verdict (
     constraint block_verdict_reason_nonempty check (length(reason) > 0)
 );
 
-create trigger block_verdict_append_only
-    before update or delete on block_verdict
-    for each row execute function reject_mutation();
-create trigger block_verdict_no_truncate
-    before truncate on block_verdict
-    for each statement execute function reject_mutation();
+call append_only('block_verdict');
 
 -- chain_block is immutable but for orphaned_at, and orphaned_at always equals the standing of the
 -- block's latest verdict: set to its time when it is `orphaned`, null when it is `reinstated` or
@@ -251,12 +241,7 @@ create table orphan_mark (
         references chain_block (chain, block_hash)
 );
 
-create trigger orphan_mark_append_only
-    before update or delete on orphan_mark
-    for each row execute function reject_mutation();
-create trigger orphan_mark_no_truncate
-    before truncate on orphan_mark
-    for each statement execute function reject_mutation();
+call append_only('orphan_mark');
 
 create function record_orphan_mark() returns trigger
 language plpgsql as $$
@@ -320,12 +305,7 @@ create table deposit_event (
 create index deposit_event_address_covering
     on deposit_event (chain, address) include (block_hash, tx_hash, output_index, asset, amount);
 
-create trigger deposit_event_append_only
-    before update or delete on deposit_event
-    for each row execute function reject_mutation();
-create trigger deposit_event_no_truncate
-    before truncate on deposit_event
-    for each statement execute function reject_mutation();
+call append_only('deposit_event');
 
 -- For every output the scanner stored for a watched address, the transaction that spends it,
 -- block-scoped and append-only like deposits, orphaned by the same join on chain_block. A hot
@@ -351,12 +331,7 @@ create table output_spend (
 
 create index output_spend_spending on output_spend (chain, spending_tx);
 
-create trigger output_spend_append_only
-    before update or delete on output_spend
-    for each row execute function reject_mutation();
-create trigger output_spend_no_truncate
-    before truncate on output_spend
-    for each statement execute function reject_mutation();
+call append_only('output_spend');
 
 create table scan_cursor (
     chain       text        not null,

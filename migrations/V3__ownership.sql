@@ -182,9 +182,4 @@ create table btc_change_address (
     constraint btc_change_address_address_format check (is_valid_address('btc', address))
 );
 
-create trigger btc_change_address_append_only
-    before update or delete on btc_change_address
-    for each row execute function reject_mutation();
-create trigger btc_change_address_no_truncate
-    before truncate on btc_change_address
-    for each statement execute function reject_mutation();
+call append_only('btc_change_address');

@@ -135,18 +135,8 @@ create constraint trigger ledger_posting_balanced
     deferrable initially deferred
     for each row execute function check_transfer_balanced();
 
-create trigger ledger_transfer_append_only
-    before update or delete on ledger_transfer
-    for each row execute function reject_mutation();
-create trigger ledger_transfer_no_truncate
-    before truncate on ledger_transfer
-    for each statement execute function reject_mutation();
-create trigger ledger_posting_append_only
-    before update or delete on ledger_posting
-    for each row execute function reject_mutation();
-create trigger ledger_posting_no_truncate
-    before truncate on ledger_posting
-    for each statement execute function reject_mutation();
+call append_only('ledger_transfer');
+call append_only('ledger_posting');
 
 -- ------------------------------------------------------------------ customers' balances
 
@@ -259,18 +249,8 @@ create table reversal_decision (
         or (decision = 'closed' and compensating_transfer_id is null))
 );
 
-create trigger reversal_proposal_append_only
-    before update or delete on reversal_proposal
-    for each row execute function reject_mutation();
-create trigger reversal_proposal_no_truncate
-    before truncate on reversal_proposal
-    for each statement execute function reject_mutation();
-create trigger reversal_decision_append_only
-    before update or delete on reversal_decision
-    for each row execute function reject_mutation();
-create trigger reversal_decision_no_truncate
-    before truncate on reversal_decision
-    for each statement execute function reject_mutation();
+call append_only('reversal_proposal');
+call append_only('reversal_decision');
 
 -- ------------------------------------------------------------------ deposit lifecycle
 

@@ -61,12 +61,7 @@ create table withdrawal_event (
         'fee_cap_reached', 'resolved'))
 );
 
-create trigger withdrawal_event_append_only
-    before update or delete on withdrawal_event
-    for each row execute function reject_mutation();
-create trigger withdrawal_event_no_truncate
-    before truncate on withdrawal_event
-    for each statement execute function reject_mutation();
+call append_only('withdrawal_event');
 
 create table withdrawal (
     id               bigint        not null,
@@ -202,12 +197,7 @@ create table nonce_allocation (
     constraint nonce_allocation_nonce_nonnegative check (nonce >= 0)
 );
 
-create trigger nonce_allocation_append_only
-    before update or delete on nonce_allocation
-    for each row execute function reject_mutation();
-create trigger nonce_allocation_no_truncate
-    before truncate on nonce_allocation
-    for each statement execute function reject_mutation();
+call append_only('nonce_allocation');
 
 create table withdrawal_attempt (
     tx_hash       text          not null,
@@ -249,12 +239,7 @@ create table withdrawal_attempt (
 -- referencing side indexed.
 create index withdrawal_attempt_withdrawal on withdrawal_attempt (withdrawal_id, created_at);
 
-create trigger withdrawal_attempt_append_only
-    before update or delete on withdrawal_attempt
-    for each row execute function reject_mutation();
-create trigger withdrawal_attempt_no_truncate
-    before truncate on withdrawal_attempt
-    for each statement execute function reject_mutation();
+call append_only('withdrawal_attempt');
 
 -- ------------------------------------------------------------------ BTC: spends and reservations
 
@@ -330,25 +315,12 @@ create table utxo_reservation (
 create unique index utxo_reservation_live on utxo_reservation (chain, tx_hash, output_index)
     where released_at is null;
 
-create trigger btc_spend_append_only
-    before update or delete on btc_spend
-    for each row execute function reject_mutation();
-create trigger btc_spend_payout_append_only
-    before update or delete on btc_spend_payout
-    for each row execute function reject_mutation();
-create trigger btc_attempt_append_only
-    before update or delete on btc_attempt
-    for each row execute function reject_mutation();
+call append_only('btc_spend');
+call append_only('btc_spend_payout');
+call append_only('btc_attempt');
 create trigger utxo_reservation_release_once
     before update or delete on utxo_reservation
     for each row execute function reject_mutation_except_set_once('released_at');
-
-create trigger btc_spend_no_truncate
-    before truncate on btc_spend for each statement execute function reject_mutation();
-create trigger btc_spend_payout_no_truncate
-    before truncate on btc_spend_payout for each statement execute function reject_mutation();
-create trigger btc_attempt_no_truncate
-    before truncate on btc_attempt for each statement execute function reject_mutation();
 create trigger utxo_reservation_no_truncate
     before truncate on utxo_reservation for each statement execute function reject_mutation();
 

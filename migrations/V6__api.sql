@@ -69,12 +69,7 @@ create table operator_action (
     constraint operator_action_principal check (length(principal) between 1 and 64)
 );
 
-create trigger operator_action_append_only
-    before update or delete on operator_action
-    for each row execute function reject_mutation();
-create trigger operator_action_no_truncate
-    before truncate on operator_action
-    for each statement execute function reject_mutation();
+call append_only('operator_action');
 
 -- ------------------------------------------------------------------ webhooks
 

@@ -90,12 +90,7 @@ create table fact_seal (
 );
 create unique index fact_seal_order on fact_seal (xid, position);
 
-create trigger fact_seal_append_only
-    before update or delete on fact_seal
-    for each row execute function reject_mutation();
-create trigger fact_seal_no_truncate
-    before truncate on fact_seal
-    for each statement execute function reject_mutation();
+call append_only('fact_seal');
 
 -- The digest of one fact as the history shows it.
 create function fact_digest(fact_kind text, fact_position bigint, fact_payload jsonb) returns bytea
