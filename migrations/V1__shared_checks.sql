@@ -41,20 +41,25 @@ begin
 end;
 $$;
 
--- Makes `tbl` append-only: `<tbl>_append_only` rejects UPDATE and DELETE row by row,
--- `<tbl>_no_truncate` rejects TRUNCATE. Every fact table is made so by one call; tables with a
--- permitted change (a column set once, pruning) attach their own guards instead.
-create procedure append_only(tbl text)
+-- Makes `tbl` append-only: `<tbl>_append_only` rejects UPDATE and DELETE row by row (but the one
+-- permitted update of `set_once`, when named: reject_mutation_except_set_once below),
+-- `<tbl>_no_truncate` rejects TRUNCATE. Every fact table is made so by one call.
+create procedure append_only(tbl text, set_once text default null)
 language plpgsql as $$
 begin
-    execute format('create trigger %I before update or delete on %I for each row execute function reject_mutation()',
-                   tbl || '_append_only', tbl);
+    if set_once is null then
+        execute format('create trigger %I before update or delete on %I for each row execute function reject_mutation()',
+                       tbl || '_append_only', tbl);
+    else
+        execute format('create trigger %I before update or delete on %I for each row '
+                       'execute function reject_mutation_except_set_once(%L)', tbl || '_append_only', tbl, set_once);
+    end if;
     execute format('create trigger %I before truncate on %I for each statement execute function reject_mutation()',
                    tbl || '_no_truncate', tbl);
 end;
 $$;
 -- Only migrations (the schema owner) attach guards.
-revoke execute on procedure append_only(text) from public;
+revoke execute on procedure append_only(text, text) from public;
 
 -- Like reject_mutation(), except for one permitted update: the column named by the trigger's
 -- argument may go from null to a value, once, with every other column unchanged. Used for

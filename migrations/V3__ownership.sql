@@ -85,12 +85,7 @@ create unique index wallet_address_derivation_index
     on wallet_address (chain, derivation_index)
     where derivation_index is not null;
 
-create trigger wallet_address_append_only
-    before update or delete on wallet_address
-    for each row execute function reject_mutation_except_set_once('valid_to_height');
-create trigger wallet_address_no_truncate
-    before truncate on wallet_address
-    for each statement execute function reject_mutation();
+call append_only('wallet_address', set_once => 'valid_to_height');
 
 -- The allocator of derivation indexes: operational state, not an observation; one mutable row per
 -- chain, locked by the allocating transaction. It remembers the fingerprint of the key its

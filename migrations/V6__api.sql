@@ -44,12 +44,7 @@ create table api_token (
     constraint api_token_scopes_nonempty check (cardinality(scopes) > 0)
 );
 
-create trigger api_token_append_only
-    before update or delete on api_token
-    for each row execute function reject_mutation_except_set_once('revoked_at');
-create trigger api_token_no_truncate
-    before truncate on api_token
-    for each statement execute function reject_mutation();
+call append_only('api_token', set_once => 'revoked_at');
 
 -- ------------------------------------------------------------------ operator actions
 

@@ -172,6 +172,22 @@ macro_rules! stored_form_serde {
 stored_form_serde!(TxHash);
 stored_form_serde!(BlockHash);
 
+/// Hashes for the domain's own tests.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::{BlockHash, TxHash, B256};
+
+    /// An ETH transaction hash ending in `n`.
+    pub(crate) fn tx(n: u8) -> TxHash {
+        TxHash::Eth(B256::with_last_byte(n))
+    }
+
+    /// An ETH block hash ending in `n`.
+    pub(crate) fn block(n: u8) -> BlockHash {
+        BlockHash::Eth(B256::with_last_byte(n))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

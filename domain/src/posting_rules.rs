@@ -108,18 +108,9 @@ pub fn bookings(id: WithdrawalId, events: &[WithdrawalEvent]) -> Vec<Booking> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An ETH transaction hash ending in `n`.
-    fn tx(n: u8) -> TxHash {
-        TxHash::Eth(alloy_primitives::B256::with_last_byte(n))
-    }
-
-    /// An ETH block hash ending in `n`.
-    fn block(n: u8) -> BlockHash {
-        BlockHash::Eth(alloy_primitives::B256::with_last_byte(n))
-    }
+    use crate::hash::fixtures::{block, tx};
     use crate::withdrawal::WithdrawalEvent as E;
-    use crate::{BlockHash, LaneName, TxHash};
+    use crate::LaneName;
 
     /// A token's asset key.
     const USDC: &str = "eth:0x00000000000000000000000000000000000000c0";

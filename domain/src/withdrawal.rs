@@ -694,16 +694,7 @@ impl Withdrawal {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An ETH transaction hash ending in `n`.
-    fn tx(n: u8) -> TxHash {
-        TxHash::Eth(alloy_primitives::B256::with_last_byte(n))
-    }
-
-    /// An ETH block hash ending in `n`.
-    fn block(n: u8) -> BlockHash {
-        BlockHash::Eth(alloy_primitives::B256::with_last_byte(n))
-    }
+    use crate::hash::fixtures::{block, tx};
 
     #[test]
     fn attempt_kinds_round_trip_through_their_stored_names_and_unknown_names_are_refused() {
