@@ -317,22 +317,47 @@ async fn a_node_on_another_network_or_genesis_is_refused_and_nothing_is_written(
     assert_eq!(after, before, "nothing was written");
 }
 
+/// A process that ends with its value, also when a test panics (SIGKILL and reap).
+struct Scanner(std::process::Child);
+
+impl std::ops::Deref for Scanner {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Scanner {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Scanner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A `custodian scan --chain btc` running until killed.
-fn spawn_scanner(db: &TestDb, sim: &BitcoinSim, capture: bool) -> std::process::Child {
+fn spawn_scanner(db: &TestDb, sim: &BitcoinSim, capture: bool) -> Scanner {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_custodian"));
     for (key, _) in std::env::vars() {
         if key.starts_with("CUSTODIAN_") {
             command.env_remove(key);
         }
     }
-    command
-        .envs(btc_env(db, sim, None))
-        .env("CUSTODIAN_LOG", "info")
-        .args(["scan", "--chain", "btc"])
-        .stdout(std::process::Stdio::null())
-        .stderr(if capture { std::process::Stdio::piped() } else { std::process::Stdio::null() })
-        .spawn()
-        .expect("starting a scanner")
+    Scanner(
+        command
+            .envs(btc_env(db, sim, None))
+            .env("CUSTODIAN_LOG", "info")
+            .args(["scan", "--chain", "btc"])
+            .stdout(std::process::Stdio::null())
+            .stderr(if capture { std::process::Stdio::piped() } else { std::process::Stdio::null() })
+            .spawn()
+            .expect("starting a scanner"),
+    )
 }
 
 async fn lease_holder(db: &TestDb) -> Option<i32> {
@@ -399,8 +424,9 @@ async fn two_scanners_share_one_lease_and_the_standby_takes_over_when_the_holder
     })
     .await;
     second.kill().expect("SIGKILL");
-    let output = second.wait_with_output().expect("reaped");
-    let log = String::from_utf8_lossy(&output.stderr);
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().expect("captured"), &mut log).expect("stderr");
+    second.wait().expect("reaped");
     assert!(log.contains("took the scanner lease"), "{log}");
     let client = db.pool.get().await.unwrap();
     let transfers: i64 =

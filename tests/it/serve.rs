@@ -76,6 +76,15 @@ impl Served {
     }
 }
 
+/// The process goes with the value, also when a test panics: SIGKILL and reap (a no-op after
+/// [`Served::terminate`]).
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A configuration file readable by its owner only (it holds keys).
 pub(crate) fn config_file(name: &str, contents: &str) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -495,4 +504,27 @@ async fn an_idempotent_withdrawal_request_through_serve_costs_no_more_than_a_few
     let (code, _) = tokio::task::spawn_blocking(move || served.terminate()).await.unwrap();
     assert_eq!(code, 0);
     let _ = std::fs::remove_file(config);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serve_process_ends_with_the_test_that_started_it_even_when_the_test_fails() {
+    // A test that panics drops its `Served` while unwinding; a process left behind would poll
+    // dead nodes and a dropped database for as long as the machine runs.
+    let h = Harness::start(&[]).await;
+    let config = config_file(
+        "orphan",
+        &format!(
+            "[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n",
+            LANE_KEYS[0], LANE_KEYS[1]
+        ),
+    );
+    let served = Served::start(&h.db, &h.anvil, &config, "orphan");
+    let pid = served.child.id();
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let _owned = served;
+        panic!("a test that fails while serve runs");
+    }));
+    assert!(failed.is_err());
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "serve {pid} outlived its test");
+    let _ = std::fs::remove_file(&config);
 }

@@ -415,6 +415,14 @@ struct Served {
     grpc: String,
 }
 
+/// The process goes with the value, also when a test panics.
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn serve(db: &TestDb, config: &std::path::Path) -> Served {
     let mut command = Command::new(env!("CARGO_BIN_EXE_custodian"));
     for (key, _) in std::env::vars() {
@@ -525,9 +533,6 @@ async fn two_serve_processes_deliver_one_subscriber_without_duplicates_and_survi
         owner.as_ref().is_none_or(|o| o.ends_with(&format!(":{survivor}"))),
         "only the survivor holds it now: {owner:?}"
     );
-    for served in [&mut a, &mut b] {
-        let _ = served.child.kill();
-        let _ = served.child.wait();
-    }
+    drop((a, b));
     let _ = std::fs::remove_file(&config);
 }
