@@ -178,6 +178,13 @@ create table block_verdict (
 
 call append_only('block_verdict');
 
+-- The seq the next verdict on a block takes (its verdicts are numbered 1, 2, …): what every
+-- verdict insert writes, so the numbering rule has one home. Inlined by the planner.
+create function next_verdict_seq(chain text, block_hash text) returns integer
+language sql stable parallel safe
+return coalesce((select max(v.seq) from block_verdict v
+                  where v.chain = next_verdict_seq.chain and v.block_hash = next_verdict_seq.block_hash), 0) + 1;
+
 -- chain_block is immutable but for orphaned_at, and orphaned_at always equals the standing of the
 -- block's latest verdict: set to its time when it is `orphaned`, null when it is `reinstated` or
 -- there is none. The owner cannot break the pairing either.

@@ -132,43 +132,27 @@ pub async fn canonical_desc<C: GenericClient>(
     Ok(rows.iter().map(|r| (sql::height_u64(r.get(0)), r.get(1))).collect())
 }
 
-/// The head of an insert of a verdict for each block a query selects as `chain_block c`, at the
-/// block's next `seq` (the verdicts of a block are numbered 1, 2, …). What follows supplies the
-/// verdict and the reason, then `from chain_block c` and which blocks.
-macro_rules! verdict_per_block {
-    () => {
-        "
-insert into block_verdict (chain, block_hash, seq, verdict, reason)
-select c.chain, c.block_hash,
-       coalesce((select max(v.seq) from block_verdict v where v.chain = c.chain and v.block_hash = c.block_hash), 0) + 1,"
-    };
-}
-
 /// Orphans canonical blocks at or above the first height where the batch brings a different
 /// block, by appending an `orphaned` verdict to each (the verdict trigger moves `orphaned_at`).
 /// Only reached after the parent check passed, so the batch extends our chain below it.
-pub(crate) const ORPHAN_REPLACED: &str = concat!(
-    verdict_per_block!(),
-    "
-       'orphaned', $4
+pub(crate) const ORPHAN_REPLACED: &str = "
+insert into block_verdict (chain, block_hash, seq, verdict, reason)
+select c.chain, c.block_hash, next_verdict_seq(c.chain, c.block_hash), 'orphaned', $4
   from chain_block c
  where c.chain = $1 and c.orphaned_at is null
    and c.height >= (select min(n.height)
                       from unnest($2::bigint[], $3::text[]) as n(height, block_hash)
                       join chain_block o on o.chain = $1 and o.height = n.height
-                                        and o.orphaned_at is null and o.block_hash <> n.block_hash)"
-);
+                                        and o.orphaned_at is null and o.block_hash <> n.block_hash)";
 
 /// Blocks of the batch we orphaned earlier are on the node's chain again: a `reinstated` verdict
 /// each. Runs after [`ORPHAN_REPLACED`] has orphaned their rivals, so one block per height stays
 /// canonical.
-pub(crate) const REINSTATE: &str = concat!(
-    verdict_per_block!(),
-    "
-       'reinstated', $3
+pub(crate) const REINSTATE: &str = "
+insert into block_verdict (chain, block_hash, seq, verdict, reason)
+select c.chain, c.block_hash, next_verdict_seq(c.chain, c.block_hash), 'reinstated', $3
   from chain_block c
- where c.chain = $1 and c.block_hash = any($2::text[]) and c.orphaned_at is not null"
-);
+ where c.chain = $1 and c.block_hash = any($2::text[]) and c.orphaned_at is not null";
 
 /// What a walk-back's orphaning did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,12 +201,9 @@ pub async fn orphan_above(
     let above = fork_height.map_or(-1, sql::height_i64);
     let orphaned = tx
         .execute(
-            concat!(
-                verdict_per_block!(),
-                "
-       'orphaned', $3
-  from chain_block c where c.chain = $1 and c.orphaned_at is null and c.height > $2"
-            ),
+            "insert into block_verdict (chain, block_hash, seq, verdict, reason)
+             select c.chain, c.block_hash, next_verdict_seq(c.chain, c.block_hash), 'orphaned', $3
+               from chain_block c where c.chain = $1 and c.orphaned_at is null and c.height > $2",
             &[&name, &above, &reason],
         )
         .await

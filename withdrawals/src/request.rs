@@ -534,8 +534,6 @@ struct Composed {
     projected: sql::ProjectionParams,
     held: ledger::Columns,
     amount: U256,
-    /// The request check's parameters: account, external id, asset.
-    checked: (i64, String, String),
 }
 
 impl Composed {
@@ -588,7 +586,6 @@ impl Composed {
             projected: sql::projection_params(&withdrawal),
             held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
             amount: request.amount.units(),
-            checked: (withdrawal.account_id().get(), withdrawal.external_id().to_owned(), withdrawal.asset().key()),
             withdrawal,
         })
     }
@@ -596,9 +593,9 @@ impl Composed {
     /// Its statements in order: the checks under the account lock when `checked` (the one-trip
     /// path), the events, the projection (its state after them) and the hold.
     fn statements<'a>(&'a self, s: &'a Statements, checked: bool) -> Vec<(&'a tokio_postgres::Statement, Vec<P<'a>>)> {
-        let (account_id, external_id, asset) = &self.checked;
         let mut out: Vec<(&tokio_postgres::Statement, Vec<P<'a>>)> = Vec::with_capacity(5);
         if checked {
+            let [account_id, external_id, asset] = self.projected.request_key();
             out.push((&s.check, vec![account_id, external_id, asset, &self.amount]));
         }
         out.push((&s.insert_event, vec![&self.id, &1i32, &"requested", &self.first_payload]));

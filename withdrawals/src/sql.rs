@@ -77,6 +77,12 @@ pub(crate) struct ProjectionParams {
 }
 
 impl ProjectionParams {
+    /// What identifies the request: its account, external id and asset (the request check's
+    /// parameters).
+    pub(crate) fn request_key(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 3] {
+        [&self.account_id, &self.external_id, &self.asset]
+    }
+
     /// In [`UPSERT`]'s order.
     pub(crate) fn refs(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 15] {
         [
@@ -300,7 +306,7 @@ pub struct NewAttempt<'a> {
     /// Destination, value and calldata it was signed with.
     pub call: (&'a str, U256, &'a [u8]),
     /// Hash.
-    pub hash: &'a TxHash,
+    pub hash: TxHash,
     /// Exact bytes.
     pub raw: &'a [u8],
     /// Max fee per gas, wei.

@@ -192,7 +192,7 @@ impl Worker {
             kind,
             intent,
             call: (&to, call.value, &call.data),
-            hash: &hash,
+            hash,
             raw: &signed.raw,
             max_fee,
             priority_fee,
