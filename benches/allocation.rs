@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress, ExternalId};
 use custodian_store::Pool;
 use custodian_testkit::TestDb;
 use custodian_withdrawals::hot_wallet::{self, Lane};
-use custodian_withdrawals::request::{self, Destination, Request};
+use custodian_withdrawals::request::{self, Request};
 use custodian_withdrawals::sql;
 use custodian_withdrawals::worker::Pricing;
 use custodian_withdrawals::{EthNode, LocalSigner, Signer, Worker, WorkerConfig};
@@ -81,10 +81,10 @@ async fn setup(lanes: usize, withdrawals: u64) -> Setup {
         .unwrap();
     for n in 0..withdrawals {
         let r = Request {
-            account_id: 1,
-            external_id: format!("bench-{n}"),
-            asset: "ETH".into(),
-            destination: Destination::Eth(EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap()),
+            account_id: AccountId::new(1),
+            external_id: ExternalId::parse(&format!("bench-{n}")).unwrap(),
+            asset: Asset::Native(Chain::Eth),
+            destination: ChainAddress::Eth(EthAddress::parse(&format!("0x{:040x}", 0xbe00_0000u64 + n)).unwrap()),
             amount: Amount::from_u64(1_000 + n),
             requested_by: "bench".into(),
         };

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use bitcoin::bip32::{DerivationPath, Xpriv};
 use bitcoin::secp256k1::Secp256k1;
-use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain};
+use custodian_domain::{AccountId, Amount, Asset, BtcAddress, BtcNetwork, Chain, ChainAddress, ExternalId};
 use custodian_ingest::btc::{BtcAuth, BtcReader};
 use custodian_ingest::{NoProgress, ScanConfig, Scanner};
 use custodian_store::btc_rpc::BtcRpc;
@@ -34,7 +34,7 @@ use custodian_withdrawals::btc::node::BtcNode;
 use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
 use custodian_withdrawals::btc_key::BtcHotKey;
 use custodian_withdrawals::hot_wallet;
-use custodian_withdrawals::request::{self, Destination, Request};
+use custodian_withdrawals::request::{self, Request};
 use std::str::FromStr;
 
 const COINS: usize = 10_000;
@@ -89,10 +89,10 @@ async fn main() {
     for n in 0..(batch_1_n + batch_50_n) {
         let to = sim.address([AddrKind::P2wpkh, AddrKind::P2tr, AddrKind::P2pkh][(n % 3) as usize], 10 + n as u32);
         let r = Request {
-            account_id: alice.id,
-            external_id: format!("bench-{n}"),
-            asset: "BTC".into(),
-            destination: Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
+            account_id: AccountId::new(alice.id),
+            external_id: ExternalId::parse(&format!("bench-{n}")).unwrap(),
+            asset: Asset::Native(Chain::Btc),
+            destination: ChainAddress::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
             amount: Amount::from_u64(PAYOUT_SATS),
             requested_by: "bench".into(),
         };

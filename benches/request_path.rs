@@ -151,9 +151,15 @@ async fn main() {
     let node = EthNode::new(&anvil.url).unwrap();
     for (lane, key) in LANES {
         let signer = LocalSigner::from_hex(key).unwrap();
-        hot_wallet::add(&mut db.pool.get().await.unwrap(), &node, lane, &format!("{:#x}", signer.address()), "bench")
-            .await
-            .unwrap();
+        hot_wallet::add(
+            &mut db.pool.get().await.unwrap(),
+            &node,
+            lane,
+            custodian_domain::EthAddress::from_alloy(signer.address()),
+            "bench",
+        )
+        .await
+        .unwrap();
     }
     let client = db.client().await;
     let mut accounts = Vec::new();

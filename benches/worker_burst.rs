@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress, ExternalId};
 use custodian_testkit::{Anvil, TestDb};
 use custodian_withdrawals::payout::TRANSFER_GAS;
-use custodian_withdrawals::request::{self, Destination, Request};
+use custodian_withdrawals::request::{self, Request};
 use custodian_withdrawals::{hot_wallet, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::json;
 
@@ -40,9 +40,15 @@ async fn main() {
     let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
     for (lane, key) in LANES {
         let signer = LocalSigner::from_hex(key).unwrap();
-        hot_wallet::add(&mut db.pool.get().await.unwrap(), &node, lane, &format!("{:#x}", signer.address()), "bench")
-            .await
-            .unwrap();
+        hot_wallet::add(
+            &mut db.pool.get().await.unwrap(),
+            &node,
+            lane,
+            EthAddress::from_alloy(signer.address()),
+            "bench",
+        )
+        .await
+        .unwrap();
         signers.insert(lane.to_owned(), Arc::new(signer));
     }
     let client = db.client().await;
@@ -51,10 +57,12 @@ async fn main() {
     custodian_testkit::fixtures::credit_eth(&client, account, 0, 1_000_000_000_000_000_000).await;
     for n in 0..total {
         let r = Request {
-            account_id: account,
-            external_id: format!("burst-{n}"),
-            asset: "ETH".to_owned(),
-            destination: Destination::Eth(EthAddress::parse(&format!("0x{:040x}", 0xb0b0_0000u64 + n as u64)).unwrap()),
+            account_id: AccountId::new(account),
+            external_id: ExternalId::parse(&format!("burst-{n}")).unwrap(),
+            asset: Asset::Native(Chain::Eth),
+            destination: ChainAddress::Eth(
+                EthAddress::parse(&format!("0x{:040x}", 0xb0b0_0000u64 + n as u64)).unwrap(),
+            ),
             amount: Amount::from_units(U256::from(1_000 + n)),
             requested_by: "bench".to_owned(),
         };

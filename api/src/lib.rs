@@ -180,7 +180,7 @@ pub(crate) struct Known {
     /// Account ids found.
     pub accounts: std::collections::HashSet<i64>,
     /// Asset names as asked → key, decimals, chain.
-    pub assets: HashMap<String, (String, u8, Chain)>,
+    pub assets: HashMap<String, (custodian_domain::Asset, u8, Chain)>,
 }
 
 /// Entries [`Known`] keeps of each kind before it starts over.

@@ -183,6 +183,129 @@ impl fmt::Display for BtcAddress {
     }
 }
 
+impl BtcAddress {
+    /// Reads back an address that was checked against the network before it was stored (the
+    /// database holds only such addresses, so the network is not asked again).
+    pub fn from_stored(stored: &str) -> Result<Self, BtcAddressError> {
+        let unchecked = bitcoin::Address::from_str(stored)
+            .map_err(|e| BtcAddressError::Invalid { input: stored.to_owned(), reason: e.to_string() })?;
+        Ok(BtcAddress(unchecked.assume_checked()))
+    }
+}
+
+/// An address on either chain: a withdrawal's destination, a hot wallet's address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ChainAddress {
+    /// A checksummed (or all-lowercase) Ethereum address.
+    Eth(EthAddress),
+    /// A standard Bitcoin address (P2PKH, P2SH, P2WPKH, P2WSH, P2TR) on the configured network.
+    Btc(BtcAddress),
+}
+
+/// Why a stored address could not be read back.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoredAddressError {
+    /// An `0x` string that is not an ETH address.
+    #[error(transparent)]
+    Eth(#[from] EthAddressError),
+    /// Any other string that is not a BTC address.
+    #[error(transparent)]
+    Btc(#[from] BtcAddressError),
+}
+
+impl ChainAddress {
+    /// The chain it is on.
+    pub fn chain(&self) -> crate::Chain {
+        match self {
+            ChainAddress::Eth(_) => crate::Chain::Eth,
+            ChainAddress::Btc(_) => crate::Chain::Btc,
+        }
+    }
+
+    /// As stored: lowercase hex for ETH, the address string for BTC.
+    pub fn stored(&self) -> String {
+        match self {
+            ChainAddress::Eth(address) => address.to_lowercase_hex(),
+            ChainAddress::Btc(address) => address.to_string(),
+        }
+    }
+
+    /// Reads a stored address back, its chain told by its form (an ETH address starts with `0x`,
+    /// which no Bitcoin address does).
+    pub fn parse_stored(stored: &str) -> Result<Self, StoredAddressError> {
+        Ok(if stored.starts_with("0x") {
+            ChainAddress::Eth(EthAddress::parse(stored)?)
+        } else {
+            ChainAddress::Btc(BtcAddress::from_stored(stored)?)
+        })
+    }
+
+    /// The Ethereum address; `None` on Bitcoin.
+    pub fn eth(&self) -> Option<EthAddress> {
+        match self {
+            ChainAddress::Eth(address) => Some(*address),
+            ChainAddress::Btc(_) => None,
+        }
+    }
+
+    /// The Bitcoin address; `None` on Ethereum.
+    pub fn btc(&self) -> Option<&BtcAddress> {
+        match self {
+            ChainAddress::Eth(_) => None,
+            ChainAddress::Btc(address) => Some(address),
+        }
+    }
+}
+
+/// For people: EIP-55 for ETH, the address string for BTC.
+impl fmt::Display for ChainAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ChainAddress::Eth(address) => fmt::Display::fmt(address, f),
+            ChainAddress::Btc(address) => fmt::Display::fmt(address, f),
+        }
+    }
+}
+
+/// Events and JSON carry the stored form.
+impl serde::Serialize for ChainAddress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.stored())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChainAddress {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ChainAddress, D::Error> {
+        let stored = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        ChainAddress::parse_stored(&stored).map_err(serde::de::Error::custom)
+    }
+}
+
+/// JSON carries the stored form (lowercase hex), as the database does.
+impl serde::Serialize for EthAddress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_lowercase_hex())
+    }
+}
+
+/// JSON carries the address string.
+impl serde::Serialize for BtcAddress {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// Addresses for the domain's own tests.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::{Address, ChainAddress, EthAddress};
+
+    /// An ETH address ending in `n`.
+    pub(crate) fn eth(n: u8) -> ChainAddress {
+        ChainAddress::Eth(EthAddress::from_alloy(Address::with_last_byte(n)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,5 +365,24 @@ mod tests {
             Err(BtcAddressError::Invalid { .. })
         ));
         assert!(matches!("moonnet".parse::<BtcNetwork>(), Err(BtcAddressError::UnknownNetwork(_))));
+    }
+
+    #[test]
+    fn stored_addresses_read_back_on_their_chain() {
+        let eth = "0x5aaeb6053f3e94c9b9a09f33669435e7ef1beaed";
+        let btc = "bcrt1qs758ursh4q9z627kt3pp5yysm78ddny6txaqgw";
+        for stored in [eth, btc] {
+            let address = ChainAddress::parse_stored(stored).expect("valid");
+            assert_eq!(address.stored(), stored);
+            let json = serde_json::to_value(&address).unwrap();
+            assert_eq!(json, serde_json::json!(stored), "events keep the stored form");
+            assert_eq!(serde_json::from_value::<ChainAddress>(json).expect("reads back"), address);
+        }
+        assert_eq!(ChainAddress::parse_stored(eth).unwrap().chain(), crate::Chain::Eth);
+        assert_eq!(ChainAddress::parse_stored(eth).unwrap().to_string(), "0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed");
+        assert_eq!(ChainAddress::parse_stored(btc).unwrap().chain(), crate::Chain::Btc);
+        assert!(matches!(ChainAddress::parse_stored("0x5aae"), Err(StoredAddressError::Eth(_))));
+        assert!(matches!(ChainAddress::parse_stored("not-an-address"), Err(StoredAddressError::Btc(_))));
+        assert!(serde_json::from_value::<ChainAddress>(serde_json::json!("")).is_err());
     }
 }

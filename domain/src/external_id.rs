@@ -2,7 +2,8 @@
 
 /// Trimmed, 1 to [`ExternalId::MAX_BYTES`] bytes, no control characters. Two requests with the
 /// same key (after trimming) for one account are the same request.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub struct ExternalId(String);
 
 /// Why a string is not an external id.
@@ -44,6 +45,20 @@ impl ExternalId {
     }
 }
 
+impl TryFrom<String> for ExternalId {
+    type Error = ExternalIdError;
+
+    fn try_from(raw: String) -> Result<ExternalId, ExternalIdError> {
+        ExternalId::parse(&raw)
+    }
+}
+
+impl From<ExternalId> for String {
+    fn from(key: ExternalId) -> String {
+        key.0
+    }
+}
+
 impl std::fmt::Display for ExternalId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
@@ -64,5 +79,7 @@ mod tests {
         assert_eq!(ExternalId::parse(&"é".repeat(65)), Err(ExternalIdError::TooLong(130)), "bytes, not characters");
         assert_eq!(ExternalId::parse("a\nb"), Err(ExternalIdError::Unprintable));
         assert_eq!(ExternalId::parse("a\0b"), Err(ExternalIdError::Unprintable));
+        assert_eq!(serde_json::to_string(&ExternalId::parse("inv-42").unwrap()).unwrap(), "\"inv-42\"");
+        assert!(serde_json::from_str::<ExternalId>("\"a\\nb\"").is_err(), "a stored key is checked too");
     }
 }

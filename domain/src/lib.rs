@@ -22,7 +22,9 @@ pub mod withdrawal;
 #[path = "../../testkit/src/bip39.rs"]
 mod bip39;
 
-pub use address::{BtcAddress, BtcAddressError, BtcNetwork, EthAddress, EthAddressError};
+pub use address::{
+    BtcAddress, BtcAddressError, BtcNetwork, ChainAddress, EthAddress, EthAddressError, StoredAddressError,
+};
 pub use amount::{Amount, AmountError, ParseAmountError, SignedAmount};
 pub use asset::{Asset, AssetError};
 pub use chain::{Chain, UnknownChain};

@@ -108,6 +108,7 @@ pub fn bookings(id: WithdrawalId, events: &[WithdrawalEvent]) -> Vec<Booking> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::address::fixtures::eth;
     use crate::hash::fixtures::{block, tx};
     use crate::withdrawal::WithdrawalEvent as E;
     use crate::LaneName;
@@ -118,9 +119,9 @@ mod tests {
     fn requested(treasury: bool) -> E {
         E::Requested {
             account_id: crate::AccountId::new(7),
-            external_id: "x".into(),
+            external_id: crate::ExternalId::parse("x").unwrap(),
             asset: Asset::parse_key(USDC).unwrap(),
-            destination: "0x0000000000000000000000000000000000000001".into(),
+            destination: eth(0x01),
             amount: Amount::from_u64(500),
             lane: LaneName::parse("a").unwrap(),
             requested_by: "app".into(),

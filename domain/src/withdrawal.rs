@@ -7,8 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::address::ChainAddress;
 use crate::amount::Amount;
 use crate::asset::Asset;
+use crate::external_id::ExternalId;
 use crate::hash::{BlockHash, TxHash};
 use crate::ids::{AccountId, LaneName, WithdrawalId};
 use crate::nonce::Nonce;
@@ -22,11 +24,11 @@ pub enum WithdrawalEvent {
         /// The account paying.
         account_id: AccountId,
         /// The client's idempotency key.
-        external_id: String,
+        external_id: ExternalId,
         /// What is paid.
         asset: Asset,
-        /// Destination (stored form).
-        destination: String,
+        /// Destination, on the asset's chain.
+        destination: ChainAddress,
         /// Smallest units.
         amount: Amount,
         /// The lane (hot wallet) chosen by hashing the withdrawal id.
@@ -66,7 +68,7 @@ pub enum WithdrawalEvent {
     /// transaction.
     Signed {
         /// Hot wallet address (for BTC, the lane's funding address).
-        from_address: String,
+        from_address: ChainAddress,
         /// The nonce; BTC has none (its attempts spend reserved coins).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nonce: Option<Nonce>,
@@ -361,11 +363,11 @@ pub struct Withdrawal {
     /// Account paying.
     account_id: AccountId,
     /// Client idempotency key.
-    external_id: String,
+    external_id: ExternalId,
     /// What is paid.
     asset: Asset,
     /// Destination.
-    destination: String,
+    destination: ChainAddress,
     /// Smallest units.
     amount: Amount,
     /// Current state.
@@ -373,7 +375,7 @@ pub struct Withdrawal {
     /// Lane.
     lane: LaneName,
     /// Hot wallet, once signed.
-    from_address: Option<String>,
+    from_address: Option<ChainAddress>,
     /// Nonce, once signed.
     nonce: Option<Nonce>,
     /// The attempt that matters now: the latest signed, or the one mined.
@@ -421,7 +423,7 @@ impl Withdrawal {
     }
 
     /// Client idempotency key.
-    pub fn external_id(&self) -> &str {
+    pub fn external_id(&self) -> &ExternalId {
         &self.external_id
     }
 
@@ -431,7 +433,7 @@ impl Withdrawal {
     }
 
     /// Destination.
-    pub fn destination(&self) -> &str {
+    pub fn destination(&self) -> &ChainAddress {
         &self.destination
     }
 
@@ -451,8 +453,8 @@ impl Withdrawal {
     }
 
     /// Hot wallet, once signed.
-    pub fn from_address(&self) -> Option<&str> {
-        self.from_address.as_deref()
+    pub fn from_address(&self) -> Option<&ChainAddress> {
+        self.from_address.as_ref()
     }
 
     /// Nonce, once signed.
@@ -694,6 +696,7 @@ impl Withdrawal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::address::fixtures::eth;
     use crate::hash::fixtures::{block, tx};
 
     #[test]
@@ -710,9 +713,9 @@ mod tests {
     fn requested() -> WithdrawalEvent {
         WithdrawalEvent::Requested {
             account_id: crate::AccountId::new(1),
-            external_id: "e-1".into(),
+            external_id: crate::ExternalId::parse("e-1").unwrap(),
             asset: Asset::Native(crate::Chain::Eth),
-            destination: "0x01".into(),
+            destination: eth(0x01),
             amount: Amount::from_u64(5),
             lane: LaneName::parse("a").unwrap(),
             requested_by: "client".into(),
@@ -727,7 +730,7 @@ mod tests {
     #[test]
     fn events_round_trip_as_tagged_json() {
         let event = WithdrawalEvent::Signed {
-            from_address: "0xab".into(),
+            from_address: eth(0xab),
             nonce: Some(Nonce::new(7)),
             tx_hash: tx(0x01),
             at_block: 3,
@@ -744,8 +747,7 @@ mod tests {
     fn the_fold_follows_the_life_of_a_withdrawal() {
         use WithdrawalEvent as E;
         use WithdrawalState as S;
-        let signed =
-            E::Signed { from_address: "0xab".into(), nonce: Some(Nonce::ZERO), tx_hash: tx(0x01), at_block: 1 };
+        let signed = E::Signed { from_address: eth(0xab), nonce: Some(Nonce::ZERO), tx_hash: tx(0x01), at_block: 1 };
         let mined = E::Mined { tx_hash: tx(0x02), block_hash: block(0xb1), block_number: 5 };
         let cases: Vec<(Vec<WithdrawalEvent>, S, Option<TxHash>)> = vec![
             (vec![requested()], S::Requested, None),

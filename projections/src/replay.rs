@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use alloy_primitives::U256;
 use custodian_domain::posting_rules::{self, Booking};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent};
-use custodian_domain::WithdrawalId;
 use custodian_domain::{Amount, LedgerAccount, Nonce, SignedAmount};
+use custodian_domain::{ChainAddress, WithdrawalId};
 use futures::{pin_mut, TryStreamExt};
 use serde::Serialize;
 
@@ -440,13 +440,13 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
         &column(|w| Some(w.state().as_str().to_owned())),
         &seqs,
         &column(|w| Some(w.lane().to_string())),
-        &column(|w| w.from_address().map(str::to_owned)),
+        &column(|w| w.from_address().map(ChainAddress::stored)),
         &nonces,
         &column(|w| w.tx_hash().map(|h| h.to_string())),
         &column(|w| w.mined_block_hash().map(|h| h.to_string())),
         &accounts,
         &column(|w| Some(w.asset().key())),
-        &column(|w| Some(w.destination().to_owned())),
+        &column(|w| Some(w.destination().stored())),
         &column(|w| Some(w.amount().to_string())),
         &stuck,
     ];

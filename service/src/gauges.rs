@@ -74,8 +74,7 @@ pub async fn hot_wallets(pool: Pool, eth: Option<EthNode>, thresholds: Threshold
             drop(client);
             if let Some(node) = &eth {
                 for lane in eth_lanes {
-                    let Ok(address) = lane.address.parse() else { continue };
-                    if let Ok(balance) = node.balance(address).await {
+                    if let Ok(balance) = node.balance(lane.address.as_alloy()).await {
                         balances.push(("eth", lane.lane.to_string(), balance));
                     }
                 }

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use custodian_domain::BtcNetwork;
+use custodian_domain::{BtcAddress, BtcNetwork};
 use custodian_withdrawals::btc_key::BtcHotKey;
 use custodian_withdrawals::hot_wallet::Lane;
 use custodian_withdrawals::{LocalSigner, Signer};
@@ -136,7 +136,7 @@ pub fn check_eth_signers(
 /// The key of each BTC lane of `lanes` whose key file is found, for `network`.
 pub fn btc_keys(
     sources: &Sources<'_>,
-    lanes: &[Lane],
+    lanes: &[Lane<BtcAddress>],
     network: BtcNetwork,
 ) -> Result<HashMap<String, Arc<BtcHotKey>>, KeyError> {
     let mut keys = HashMap::new();

@@ -25,7 +25,9 @@ mod story {
     use custodian_api::webhooks;
     use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
     use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
-    use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress};
+    use custodian_domain::{
+        AccountId, Amount, Asset, BtcAddress, BtcNetwork, Chain, ChainAddress, EthAddress, ExternalId,
+    };
     use custodian_ingest::btc::{BtcAuth, BtcReader};
     use custodian_ingest::eth::EthReader;
     use custodian_ingest::{ChainReader, NoProgress, ScanConfig, Scanner};
@@ -206,9 +208,9 @@ mod story {
     ) -> Result<request::Requested, RequestError> {
         let (destination, amount) = request::parse(Chain::Eth, BtcNetwork::Regtest, to, ether, 18)?;
         let r = Request {
-            account_id: account,
-            external_id: external_id.to_owned(),
-            asset: "ETH".into(),
+            account_id: AccountId::new(account),
+            external_id: ExternalId::parse(external_id).map_err(|e| RequestError::Invalid(e.to_string()))?,
+            asset: Asset::Native(Chain::Eth),
             destination,
             amount,
             requested_by: requested_by.to_owned(),
@@ -313,13 +315,18 @@ mod story {
         for (lane, key) in HOT_KEYS {
             let signer = LocalSigner::from_hex(key)?;
             let (registered, _) =
-                hot_wallet::add(&mut pool.get().await?, &node, lane, &format!("{:#x}", signer.address()), ops).await?;
-            say(format!("  hot wallet {} is {lane}, next nonce {}", registered.address, registered.next_nonce));
+                hot_wallet::add(&mut pool.get().await?, &node, lane, EthAddress::from_alloy(signer.address()), ops)
+                    .await?;
+            say(format!(
+                "  hot wallet {} is {lane}, next nonce {}",
+                registered.address.to_lowercase_hex(),
+                registered.next_nonce
+            ));
             // anvil's dev accounts start with 10,000 ETH the chain never showed arriving; the
             // demo empties them so that every wei a hot wallet holds came by a transfer the
             // scanner saw (and `reconcile` can account for).
             rpc(&anvil, "anvil_setBalance", json!([registered.address, "0x0"])).await?;
-            let funding = send(&anvil, &registered.address, 10 * ETHER).await?;
+            let funding = send(&anvil, &registered.address.to_lowercase_hex(), 10 * ETHER).await?;
             say(format!("    funded with 10 ETH by a transfer the scanner credits to the treasury: {funding}"));
             signers.insert(lane.to_owned(), Arc::new(signer));
         }
@@ -528,10 +535,10 @@ mod story {
         for (n, kind) in [AddrKind::P2wpkh, AddrKind::P2tr, AddrKind::P2pkh].into_iter().enumerate() {
             let to = sim.address(kind, 500 + n as u32);
             let r = Request {
-                account_id: id("alice"),
-                external_id: format!("alice-btc-{n}"),
-                asset: "BTC".into(),
-                destination: request::Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest)?),
+                account_id: AccountId::new(id("alice")),
+                external_id: ExternalId::parse(&format!("alice-btc-{n}"))?,
+                asset: Asset::Native(Chain::Btc),
+                destination: ChainAddress::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest)?),
                 amount: Amount::parse_decimal("0.01", 8)?,
                 requested_by: "alice-app".into(),
             };

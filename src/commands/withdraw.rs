@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::Scope;
-use custodian_domain::{Amount, Chain, LaneName};
+use custodian_domain::{AccountId, Amount, Asset, BtcAddress, Chain, EthAddress, ExternalId, LaneName};
 use custodian_service::{keys, Service};
 use custodian_store::btc_rpc::BtcRpc;
 use custodian_store::ownership;
@@ -105,7 +105,7 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
         return btc_hot_wallet_add(settings, key_file, lane).await;
     }
     let signer = LocalSigner::from_file(key_file).map_err(|e| invalid(e.to_string()))?;
-    let address = format!("{:#x}", signer.address());
+    let address = EthAddress::from_alloy(signer.address());
     drop(signer);
     let node = node(settings)?;
     let pool = super::pool(settings).await?;
@@ -113,14 +113,14 @@ pub async fn hot_wallet_add(settings: &Settings, chain: Chain, key_file: &Path, 
     let by = super::principal(settings, &client, Scope::Admin, "hot-wallet add").await?;
     let lane = lane_name(lane, hot_wallet::lanes(&client).await?.len())?;
     let (registered, created) =
-        hot_wallet::add(&mut client, &node, &lane, &address, &by).await.map_err(hot_wallet_error)?;
+        hot_wallet::add(&mut client, &node, &lane, address, &by).await.map_err(hot_wallet_error)?;
     if settings.json {
         super::print_json(&json!({ "lane": registered, "created": created }))?;
     } else {
         println!(
             "lane {} is {} with next nonce {}{}",
             registered.lane,
-            registered.address,
+            registered.address.to_lowercase_hex(),
             registered.next_nonce,
             if created { "" } else { " (already registered)" }
         );
@@ -183,10 +183,11 @@ pub async fn rebalance(
         },
         str::to_owned,
     );
+    let external_id = ExternalId::parse(&external_id).map_err(|e| invalid(format!("--external-id: {e}")))?;
     let r = request::Rebalance {
         from_lane: from.to_owned(),
         to_lane: to.to_owned(),
-        asset: asset.clone(),
+        asset,
         amount,
         external_id,
         requested_by: by,
@@ -315,12 +316,12 @@ pub async fn lanes(settings: &Settings) -> Result<Exit> {
         if l.retired {
             status.push_str("; retired (takes no new withdrawals)");
         }
-        println!("{:<10} {} next nonce {:<6} {status}", l.lane, l.address, l.next_nonce);
+        println!("{:<10} {} next nonce {:<6} {status}", l.lane, l.address.to_lowercase_hex(), l.next_nonce);
     }
     Ok(Exit::Success)
 }
 
-async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(String, u8, Chain)> {
+async fn resolve_asset(client: &deadpool_postgres::Object, asset: &str) -> Result<(Asset, u8, Chain)> {
     request::find_asset(client, asset).await?.ok_or_else(|| {
         invalid(format!("unknown asset {asset:?} (withdrawals pay out ETH, registered ERC-20 tokens and BTC)"))
     })
@@ -334,10 +335,7 @@ pub async fn request(
     amount: &str,
     external_id: &str,
 ) -> Result<Exit> {
-    let external_id = external_id.trim();
-    if external_id.is_empty() {
-        return Err(invalid("--external-id must not be empty"));
-    }
+    let external_id = ExternalId::parse(external_id).map_err(|e| invalid(format!("--external-id: {e}")))?;
     let pool = super::pool(settings).await?;
     let client = pool.get().await?;
     let requested_by = super::principal(settings, &client, Scope::Withdraw, "withdraw").await?;
@@ -345,14 +343,7 @@ pub async fn request(
     let (asset, decimals, chain) = resolve_asset(&client, asset).await?;
     let (destination, amount) =
         request::parse(chain, settings.btc_network, to, amount, decimals).map_err(|e| invalid(e.to_string()))?;
-    let r = Request {
-        account_id: account.id,
-        external_id: external_id.to_owned(),
-        asset,
-        destination,
-        amount,
-        requested_by,
-    };
+    let r = Request { account_id: AccountId::new(account.id), external_id, asset, destination, amount, requested_by };
     drop(client);
     let outcome = match request::request(&pool, &r).await {
         Ok(outcome) => outcome,
@@ -425,7 +416,7 @@ pub async fn limit(
         approvals_required: approvals,
         daily_limit: limit_value(daily, decimals, "--daily")?,
     };
-    let limits = limits::set(&mut client, &asset, &change, &by).await.map_err(limit_error)?;
+    let limits = limits::set(&mut client, &asset.key(), &change, &by).await.map_err(limit_error)?;
     let show = |v: Option<alloy_primitives::U256>| v.map(|v| Amount::from_units(v).to_decimal_string(decimals));
     if settings.json {
         super::print_json(&json!({
@@ -557,7 +548,7 @@ pub fn signers(
 /// The BTC worker, if any BTC lane has a key: `CUSTODIAN_BTC_HOT_KEY_FILE_<LANE>`, then
 /// `[btc.hot_key_files]`; priced and batched by `[btc]`. Needs the Bitcoin node.
 pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Result<Option<BtcWorker>> {
-    let lanes = hot_wallet::lanes_on(&pool.get().await?, "btc").await?;
+    let lanes = hot_wallet::lanes_on::<BtcAddress, _>(&pool.get().await?).await?;
     let file = &settings.file.btc;
     let keys = keys::btc_keys(&key_sources(settings, &[])?, &lanes, settings.btc_network).map_err(refused)?;
     if keys.is_empty() {

@@ -140,14 +140,14 @@ use std::sync::Arc;
 
 use bitcoin::{Address, Amount as Sats, OutPoint, Transaction, Txid};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{BtcAddress, BtcNetwork, Chain, WithdrawalId};
+use custodian_domain::{AccountId, Asset, BtcAddress, BtcNetwork, Chain, ChainAddress, ExternalId, WithdrawalId};
 use custodian_testkit::btcsim::AddrKind;
 use custodian_testkit::db::column;
 use custodian_withdrawals::btc::node::BtcNode;
 use custodian_withdrawals::btc::tx::FeeRate;
 use custodian_withdrawals::btc::{BtcConfig, BtcWorker};
 use custodian_withdrawals::btc_key::BtcHotKey;
-use custodian_withdrawals::request::{self, Destination, Request, RequestError, Requested};
+use custodian_withdrawals::request::{self, Request, RequestError, Requested};
 use custodian_withdrawals::{actions, hot_wallet, sql};
 
 /// Two BTC lanes funded from outside, alice credited by a real deposit, on the simulator.
@@ -208,10 +208,10 @@ impl Payouts {
 
     pub(crate) async fn request(&self, external_id: &str, to: &Address, sats: u64) -> Result<Requested, RequestError> {
         let r = Request {
-            account_id: self.alice,
-            external_id: external_id.to_owned(),
-            asset: "BTC".into(),
-            destination: Destination::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
+            account_id: AccountId::new(self.alice),
+            external_id: ExternalId::parse(external_id).unwrap(),
+            asset: Asset::Native(Chain::Btc),
+            destination: ChainAddress::Btc(BtcAddress::parse(&to.to_string(), BtcNetwork::Regtest).unwrap()),
             amount: custodian_domain::Amount::from_units(alloy_primitives::U256::from(sats)),
             requested_by: "client".into(),
         };
@@ -593,7 +593,7 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     let report = worker.pass().await.unwrap();
     assert_eq!((report.needs_review, report.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{report:?}");
     assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::NeedsReview);
-    let lane = hot_wallet::lanes_on(&p.db.pool.get().await.unwrap(), Chain::Btc.as_str()).await.unwrap();
+    let lane = hot_wallet::lanes_on::<BtcAddress, _>(&p.db.pool.get().await.unwrap()).await.unwrap();
     assert!(lane[0].pause_reason.as_deref().unwrap().contains("spent outside the service"));
 
     // The way out: resolved as not paid once the outside spend is buried; the hold comes back and

@@ -276,7 +276,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
 
     // The chain, walked directly.
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
-    let ours: HashSet<String> = lanes.iter().map(|l| l.address.clone()).collect();
+    let ours: HashSet<String> = lanes.iter().map(|l| l.address.to_lowercase_hex()).collect();
     let head = quantity(&h.rpc("eth_blockNumber", json!([])).await);
     let mut nonces: HashMap<String, Vec<u64>> = HashMap::new();
     let mut paid: HashMap<String, Vec<U256>> = HashMap::new();
@@ -298,7 +298,7 @@ async fn two_workers_killed_fifty_times_through_a_faulty_node_pay_every_request_
         }
     }
     for lane in &lanes {
-        let mut used = nonces.remove(&lane.address).unwrap_or_default();
+        let mut used = nonces.remove(&lane.address.to_lowercase_hex()).unwrap_or_default();
         used.sort_unstable();
         let expected: Vec<u64> = (0..lane.next_nonce.get()).collect();
         assert_eq!(

@@ -170,7 +170,7 @@ async fn a_primary_failover_loses_no_acknowledged_request_and_pays_nothing_twice
                 &mut client,
                 &node,
                 lane,
-                &format!("{:#x}", custodian_withdrawals::Signer::address(&signer)),
+                custodian_domain::EthAddress::from_alloy(custodian_withdrawals::Signer::address(&signer)),
                 "operator",
             )
             .await

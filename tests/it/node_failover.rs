@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use alloy_primitives::U256;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress, ExternalId};
 use custodian_testkit::btcsim::BitcoinSim;
 use custodian_testkit::{eventually, Anvil, TestDb};
-use custodian_withdrawals::request::{self, Destination, Request};
+use custodian_withdrawals::request::{self, Request};
 use custodian_withdrawals::{hot_wallet, EthNode, LocalSigner, Signer};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
@@ -102,7 +102,7 @@ async fn serve_pays_and_scans_on_when_one_of_two_nodes_goes_away() {
     for (lane, key) in [("a", LANE_KEYS[0]), ("b", LANE_KEYS[1])] {
         let signer = LocalSigner::from_hex(key).unwrap();
         let mut client = db.pool.get().await.unwrap();
-        hot_wallet::add(&mut client, &node, lane, &format!("{:#x}", signer.address()), "ops").await.unwrap();
+        hot_wallet::add(&mut client, &node, lane, EthAddress::from_alloy(signer.address()), "ops").await.unwrap();
     }
     let alice: i64 = {
         let client = db.client().await;
@@ -137,10 +137,10 @@ async fn serve_pays_and_scans_on_when_one_of_two_nodes_goes_away() {
         async move {
             for n in from..to {
                 let r = Request {
-                    account_id: alice,
-                    external_id: format!("failover-{n}"),
-                    asset: "ETH".to_owned(),
-                    destination: Destination::Eth(EthAddress::parse(&destination(n)).unwrap()),
+                    account_id: AccountId::new(alice),
+                    external_id: ExternalId::parse(&format!("failover-{n}")).unwrap(),
+                    asset: Asset::Native(Chain::Eth),
+                    destination: ChainAddress::Eth(EthAddress::parse(&destination(n)).unwrap()),
                     amount: Amount::from_units(U256::from(1_000_000 + n)),
                     requested_by: "wallet-app".to_owned(),
                 };

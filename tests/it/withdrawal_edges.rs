@@ -62,7 +62,7 @@ async fn needs_review_is_resolved_only_with_evidence_that_holds_on_chain() {
         };
         key.sign(tx).unwrap()
     };
-    let paid = outside(w1.nonce().unwrap().get(), w1.destination(), U256::from(ETHER));
+    let paid = outside(w1.nonce().unwrap().get(), &w1.destination().stored(), U256::from(ETHER));
     let other = outside(w2.nonce().unwrap().get(), FUNDER, U256::from(1u8));
     for signed in [&paid, &other] {
         h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
@@ -277,7 +277,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
         }
     };
     // A top-up of lane a from outside, and a customer deposit.
-    for (to, ether) in [(lanes[0].address.as_str(), 5u128), (deposit_address, 3)] {
+    for (to, ether) in [(&*lanes[0].address.to_lowercase_hex(), 5u128), (deposit_address, 3)] {
         let hash = h
             .rpc("eth_sendTransaction", json!([{"from": FUNDER, "to": to, "value": format!("{:#x}", ether * ETHER)}]))
             .await;
@@ -311,7 +311,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     scan_and_post().await;
 
     let mut chain = U256::ZERO;
-    for address in [lanes[0].address.as_str(), lanes[1].address.as_str(), deposit_address] {
+    for address in [&*lanes[0].address.to_lowercase_hex(), &*lanes[1].address.to_lowercase_hex(), deposit_address] {
         chain += h.balance(address).await;
     }
     assert_eq!(custody(&h).await, chain.to_string(), "custody equals what our addresses hold");
@@ -326,7 +326,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     assert_eq!((eth["chain"].as_str(), eth["difference"].as_str()), (Some(chain.to_string().as_str()), Some("0")));
     // Money the ledger cannot explain at one of our addresses (set on the chain, no transaction
     // the scanner could see) is a difference, named, exit 3.
-    let extra = h.balance(&lanes[1].address).await + U256::from(ETHER);
+    let extra = h.balance(&lanes[1].address.to_lowercase_hex()).await + U256::from(ETHER);
     h.rpc("anvil_setBalance", json!([lanes[1].address, format!("{extra:#x}")])).await;
     h.mine(1).await;
     let scanned = crate::harness::custodian_env_async(env.clone(), &["scan", "--chain", "eth", "--once"]).await;
@@ -342,7 +342,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     h.rpc("anvil_setBalance", json!([lanes[1].address, format!("{huge:#x}")])).await;
     h.mine(1).await;
     let mut chain = U256::ZERO;
-    for address in [lanes[0].address.as_str(), lanes[1].address.as_str(), deposit_address] {
+    for address in [&*lanes[0].address.to_lowercase_hex(), &*lanes[1].address.to_lowercase_hex(), deposit_address] {
         chain += h.balance(address).await;
     }
     let ledger: U256 = custody(&h).await.parse().unwrap();

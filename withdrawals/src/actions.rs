@@ -2,7 +2,7 @@
 //! resolve one that needs review.
 
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BlockHash, TxHash};
+use custodian_domain::{Amount, BlockHash, ChainAddress, TxHash};
 
 use crate::payout::{hex, token_of, token_paid};
 use crate::rpc::EthNode;
@@ -211,7 +211,7 @@ pub async fn resolve(
     let (w, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
     let node_error = |e: crate::rpc::NodeError| ActionError::Node(e.to_string());
-    let (Some(from), Some(nonce)) = (w.from_address().map(str::to_owned), w.nonce()) else {
+    let (Some(from), Some(nonce)) = (w.from_address().and_then(ChainAddress::eth), w.nonce()) else {
         // Never signed (a row found tampered with before allocation): nothing on chain can have
         // paid it, so not paid is the only outcome, and it releases the hold.
         if *resolution != Resolution::NotPaid {
@@ -219,7 +219,8 @@ pub async fn resolve(
         }
         return record_resolution(client, id, paid_nothing(by), by, None).await;
     };
-    let hot: alloy_primitives::Address = from.parse().expect("BUG: stored hot wallet is not an address");
+    let hot = from.as_alloy();
+    let from = from.to_lowercase_hex();
     let event = match resolution {
         Resolution::PaidBy(hash) => {
             let parsed: alloy_primitives::B256 =
@@ -249,7 +250,7 @@ pub async fn resolve(
             if paid != w.amount().units() {
                 return Err(refuse(format!(
                     "transaction {hash} pays {} {paid} units of {}, the withdrawal asks for {}",
-                    w.destination(),
+                    w.destination().stored(),
                     w.asset(),
                     w.amount()
                 )));
@@ -449,8 +450,7 @@ fn paid_by(
     tx: &crate::rpc::ChainTx,
     receipt: &crate::rpc::Receipt,
 ) -> alloy_primitives::U256 {
-    let destination: alloy_primitives::Address =
-        w.destination().parse().expect("BUG: stored destination is not an address");
+    let destination = crate::payout::eth_destination(w);
     match token_of(w.asset()) {
         None if tx.to == Some(destination) => tx.value,
         None => alloy_primitives::U256::ZERO,

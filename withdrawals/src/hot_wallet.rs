@@ -1,19 +1,19 @@
 //! Hot wallets: one lane each, the row whose lock serialises every withdrawal leaving it.
 
-use custodian_domain::{LaneName, Nonce};
+use custodian_domain::{BtcAddress, Chain, ChainAddress, EthAddress, LaneName, Nonce};
 use custodian_store::operator::{self, Action};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
 use crate::rpc::{EthNode, NodeError};
 
-/// A lane as stored.
+/// A lane as stored: an ETH lane by default, `Lane<BtcAddress>` on Bitcoin.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Lane {
+pub struct Lane<A = EthAddress> {
     /// Lane name.
     pub lane: LaneName,
-    /// Hot wallet address (lowercase hex).
-    pub address: String,
+    /// Hot wallet address (for BTC, the funding address `…/0/0`).
+    pub address: A,
     /// The next nonce we will allocate.
     pub next_nonce: Nonce,
     /// Why it is paused, if it is.
@@ -65,15 +65,54 @@ pub enum HotWalletError {
     Database(#[from] tokio_postgres::Error),
 }
 
-/// Every ETH lane, by name.
-pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_postgres::Error> {
-    lanes_on(client, "eth").await
+/// The address a lane holds, read back from `hot_wallet.address` (checked by the table and by
+/// registration).
+pub trait LaneAddress: Sized {
+    /// The stored address.
+    fn from_stored(stored: &str) -> Self;
 }
 
-/// Every lane of `chain` (`eth` or `btc`), by name.
-pub async fn lanes_on<C: GenericClient>(client: &C, chain: &str) -> Result<Vec<Lane>, tokio_postgres::Error> {
+/// An address of one chain's lanes only: what [`lanes_on`] reads them as.
+pub trait OnChain: LaneAddress {
+    /// The chain whose lanes hold it.
+    const CHAIN: Chain;
+}
+
+impl LaneAddress for EthAddress {
+    fn from_stored(stored: &str) -> Self {
+        EthAddress::parse(stored).expect("BUG: hot_wallet.address is checked by the table")
+    }
+}
+
+impl OnChain for EthAddress {
+    const CHAIN: Chain = Chain::Eth;
+}
+
+impl LaneAddress for BtcAddress {
+    fn from_stored(stored: &str) -> Self {
+        BtcAddress::from_stored(stored).expect("BUG: a BTC hot wallet's address was derived from its key")
+    }
+}
+
+impl OnChain for BtcAddress {
+    const CHAIN: Chain = Chain::Btc;
+}
+
+impl LaneAddress for ChainAddress {
+    fn from_stored(stored: &str) -> Self {
+        ChainAddress::parse_stored(stored).expect("BUG: hot_wallet.address is checked by the table")
+    }
+}
+
+/// Every ETH lane, by name.
+pub async fn lanes<C: GenericClient>(client: &C) -> Result<Vec<Lane>, tokio_postgres::Error> {
+    lanes_on(client).await
+}
+
+/// Every lane of `A`'s chain, by name: `lanes_on::<BtcAddress, _>` reads the BTC lanes.
+pub async fn lanes_on<A: OnChain, C: GenericClient>(client: &C) -> Result<Vec<Lane<A>>, tokio_postgres::Error> {
     let statement = client.prepare_cached(LANES_ON).await?;
-    Ok(client.query(&statement, &[&chain]).await?.iter().map(lane_from_row).collect())
+    Ok(client.query(&statement, &[&A::CHAIN.as_str()]).await?.iter().map(lane_from_row).collect())
 }
 
 /// The lanes of chain `$1`, in [`lane_from_row`]'s columns.
@@ -82,10 +121,10 @@ select lane, address, next_nonce, pause_reason, shortage, retired_at is not null
   from hot_wallet where chain = $1 order by lane";
 
 /// A [`LANES_ON`] row.
-pub(crate) fn lane_from_row(r: &tokio_postgres::Row) -> Lane {
+pub(crate) fn lane_from_row<A: LaneAddress>(r: &tokio_postgres::Row) -> Lane<A> {
     Lane {
         lane: LaneName::parse(r.get(0)).expect("BUG: hot_wallet.lane is checked by the table"),
-        address: r.get(1),
+        address: A::from_stored(r.get(1)),
         next_nonce: Nonce::from_stored(r.get(2)),
         pause_reason: r.get(3),
         shortage: r.get(4),
@@ -100,13 +139,12 @@ pub async fn add(
     client: &mut deadpool_postgres::Object,
     node: &EthNode,
     lane: &str,
-    address: &str,
+    hot_wallet: EthAddress,
     by: &str,
 ) -> Result<(Lane, bool), HotWalletError> {
     let name = LaneName::parse(lane)?;
-    let parsed: alloy_primitives::Address =
-        address.parse().map_err(|_| HotWalletError::UnknownLane(lane.to_owned()))?;
-    let pending = node.nonce(parsed, true).await?;
+    let address = &*hot_wallet.to_lowercase_hex();
+    let pending = node.nonce(hot_wallet.as_alloy(), true).await?;
     let tip = node.block_number().await?;
     let tx = client.transaction().await?;
     let existing = tx
@@ -141,14 +179,8 @@ pub async fn add(
     });
     operator::record(&tx, Action::LaneAdded, by, &details).await?;
     tx.commit().await?;
-    let lane = Lane {
-        lane: name,
-        address: address.to_owned(),
-        next_nonce: next,
-        pause_reason: None,
-        shortage: None,
-        retired: false,
-    };
+    let lane =
+        Lane { lane: name, address: hot_wallet, next_nonce: next, pause_reason: None, shortage: None, retired: false };
     Ok((lane, true))
 }
 
@@ -230,7 +262,8 @@ pub async fn resync(
         .find(|l| l.lane == lane)
         .ok_or_else(|| HotWalletError::UnknownLane(lane.to_owned()))?
         .address;
-    let chain_nonce = node.nonce(address.parse().expect("BUG: stored hot wallet is not an address"), true).await?;
+    let chain_nonce = node.nonce(address.as_alloy(), true).await?;
+    let address = address.to_lowercase_hex();
     let tx = client.transaction().await?;
     let previous: i64 = tx
         .query_one("select next_nonce from hot_wallet where chain = 'eth' and lane = $1 for update", &[&lane])

@@ -43,6 +43,12 @@ impl Call {
     }
 }
 
+/// Where an ETH withdrawal pays. The ETH worker and actions hold only ETH withdrawals: their
+/// lanes are `eth` lanes, and a request's destination is parsed on its asset's chain.
+pub(crate) fn eth_destination(w: &Withdrawal) -> Address {
+    w.destination().eth().expect("BUG: an ETH withdrawal pays an ETH address").as_alloy()
+}
+
 /// The ERC-20 contract of a token asset key (`eth:0x…`), `None` for ether.
 pub fn token_of(asset: Asset) -> Option<Address> {
     match asset {
@@ -54,7 +60,7 @@ pub fn token_of(asset: Asset) -> Option<Address> {
 /// What the payout of `w` calls: ether straight to the destination, or the token's
 /// `transfer(destination, amount)`.
 pub fn payout_call(w: &Withdrawal) -> Call {
-    let destination: Address = w.destination().parse().expect("BUG: stored destination is not an address");
+    let destination = eth_destination(w);
     match token_of(w.asset()) {
         None => Call { to: destination, value: w.amount().units(), data: Bytes::new() },
         Some(contract) => {
@@ -166,7 +172,7 @@ mod tests {
     use alloy_primitives::address;
     use custodian_domain::withdrawal::WithdrawalEvent;
     use custodian_domain::Amount;
-    use custodian_domain::{AccountId, LaneName, WithdrawalId};
+    use custodian_domain::{AccountId, ChainAddress, EthAddress, ExternalId, LaneName, WithdrawalId};
 
     const HOT: Address = address!("70997970c51812dc3a010c7d01b50e0d17dc79c8");
     const DEST: Address = address!("0000000000000000000000000000000051510001");
@@ -175,9 +181,9 @@ mod tests {
     fn withdrawal(asset: &str, amount: u64) -> Withdrawal {
         let requested = WithdrawalEvent::Requested {
             account_id: AccountId::new(1),
-            external_id: "e".into(),
+            external_id: ExternalId::parse("e").unwrap(),
             asset: Asset::parse_key(asset).unwrap(),
-            destination: hex(DEST),
+            destination: ChainAddress::Eth(EthAddress::from_alloy(DEST)),
             amount: Amount::from_u64(amount),
             lane: LaneName::parse("a").unwrap(),
             requested_by: "c".into(),

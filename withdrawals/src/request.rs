@@ -3,8 +3,8 @@
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{AccountId, Asset, WithdrawalId};
-use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, EthAddress, LedgerAccount, SignedAmount};
+use custodian_domain::{AccountId, Asset, ExternalId, WithdrawalId};
+use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, ChainAddress, EthAddress, LedgerAccount, SignedAmount};
 use custodian_store::{ledger, AppendError};
 use serde::Serialize;
 
@@ -14,13 +14,13 @@ use crate::sql::{self, StoreError};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     /// The account paying.
-    pub account_id: i64,
+    pub account_id: AccountId,
     /// The client's idempotency key.
-    pub external_id: String,
-    /// Asset key (`ETH`, `eth:0x…` or `BTC`).
-    pub asset: String,
+    pub external_id: ExternalId,
+    /// What is paid (an asset the database must know).
+    pub asset: Asset,
     /// Destination, on the asset's chain.
-    pub destination: Destination,
+    pub destination: ChainAddress,
     /// Smallest units, positive.
     pub amount: Amount,
     /// The authenticated principal asking (an API token's name): recorded in the `requested`
@@ -103,42 +103,6 @@ impl From<StoreError> for RequestError {
     }
 }
 
-/// Where a withdrawal pays: an address on the asset's chain.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Destination {
-    /// A checksummed (or all-lowercase) Ethereum address.
-    Eth(EthAddress),
-    /// A standard Bitcoin address (P2PKH, P2SH, P2WPKH, P2WSH, P2TR) on the configured network.
-    Btc(BtcAddress),
-}
-
-impl Destination {
-    /// The chain it is on.
-    pub fn chain(&self) -> Chain {
-        match self {
-            Destination::Eth(_) => Chain::Eth,
-            Destination::Btc(_) => Chain::Btc,
-        }
-    }
-
-    /// As stored: lowercase hex for ETH, the address string for BTC.
-    pub fn stored(&self) -> String {
-        match self {
-            Destination::Eth(address) => address.to_lowercase_hex(),
-            Destination::Btc(address) => address.to_string(),
-        }
-    }
-}
-
-impl std::fmt::Display for Destination {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Destination::Eth(address) => f.write_str(&address.to_checksummed()),
-            Destination::Btc(address) => write!(f, "{address}"),
-        }
-    }
-}
-
 /// Parses the parts of a request that need only the asset: the destination on its chain (for BTC,
 /// a standard address of `network`) and a positive amount within the asset's decimals (for BTC,
 /// at least the destination type's dust limit, which Bitcoin Core would not relay).
@@ -148,17 +112,17 @@ pub fn parse(
     destination: &str,
     amount: &str,
     decimals: u8,
-) -> Result<(Destination, Amount), RequestError> {
+) -> Result<(ChainAddress, Amount), RequestError> {
     let invalid = |e: &dyn std::fmt::Display| RequestError::Invalid(e.to_string());
     let destination = match chain {
-        Chain::Eth => Destination::Eth(EthAddress::parse(destination.trim()).map_err(|e| invalid(&e))?),
-        Chain::Btc => Destination::Btc(BtcAddress::parse(destination.trim(), network).map_err(|e| invalid(&e))?),
+        Chain::Eth => ChainAddress::Eth(EthAddress::parse(destination.trim()).map_err(|e| invalid(&e))?),
+        Chain::Btc => ChainAddress::Btc(BtcAddress::parse(destination.trim(), network).map_err(|e| invalid(&e))?),
     };
     let amount = Amount::parse_decimal(amount, decimals).map_err(|e| invalid(&e))?;
     if amount.is_zero() {
         return Err(RequestError::Invalid("amount must be greater than zero".into()));
     }
-    if let Destination::Btc(address) = &destination {
+    if let ChainAddress::Btc(address) = &destination {
         let script = address.as_bitcoin().script_pubkey();
         if !script.is_p2pkh() && !script.is_p2sh() && !script.is_p2wpkh() && !script.is_p2wsh() && !script.is_p2tr() {
             return Err(RequestError::Invalid(format!(
@@ -176,11 +140,11 @@ pub fn parse(
     Ok((destination, amount))
 }
 
-/// Finds a withdrawable asset by key or symbol, on any chain: its key, decimals and chain.
+/// Finds a withdrawable asset by key or symbol, on any chain: the asset, its decimals and chain.
 pub async fn find_asset<C: deadpool_postgres::GenericClient>(
     client: &C,
     name: &str,
-) -> Result<Option<(String, u8, Chain)>, tokio_postgres::Error> {
+) -> Result<Option<(Asset, u8, Chain)>, tokio_postgres::Error> {
     // ETH's first where both chains know the name; the key or symbol is unique per chain.
     let statement = client
         .prepare_cached(
@@ -191,7 +155,8 @@ pub async fn find_asset<C: deadpool_postgres::GenericClient>(
         .await?;
     Ok(client.query_opt(&statement, &[&name]).await?.map(|r| {
         let chain = if r.get(2) { Chain::Btc } else { Chain::Eth };
-        (r.get(0), u8::try_from(r.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"), chain)
+        let asset = Asset::parse_key(r.get(0)).expect("BUG: asset.asset is checked by the table");
+        (asset, u8::try_from(r.get::<_, i16>(1)).expect("BUG: decimals outside 0..=77"), chain)
     }))
 }
 
@@ -206,10 +171,10 @@ pub fn lane_index(id: i64, lanes: usize) -> usize {
 
 fn differing(existing: &Withdrawal, request: &Request) -> Vec<&'static str> {
     let mut fields = Vec::new();
-    if existing.asset().key() != request.asset {
+    if existing.asset() != request.asset {
         fields.push("asset");
     }
-    if existing.destination() != request.destination.stored() {
+    if *existing.destination() != request.destination {
         fields.push("destination");
     }
     if existing.amount() != request.amount {
@@ -240,7 +205,7 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
         Ok(Requested { withdrawal, created: false })
     } else {
         Err(RequestError::Conflict {
-            external_id: request.external_id.clone(),
+            external_id: request.external_id.to_string(),
             existing: withdrawal.id().get(),
             fields,
         })
@@ -259,7 +224,6 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
 /// One transaction; cancelled, it writes nothing (the connection it held is closed, not pooled).
 pub async fn request(pool: &deadpool_postgres::Pool, request: &Request) -> Result<Requested, RequestError> {
     let request = normalized(request)?;
-    let request = &*request;
     // Two concurrent first requests with one external id: the loser hits the unique key, rolls
     // back, and on the retry finds the winner's withdrawal.
     for _ in 0..2 {
@@ -279,22 +243,16 @@ pub async fn request(pool: &deadpool_postgres::Pool, request: &Request) -> Resul
         .ok_or_else(|| panic!("BUG: external id conflict without an existing withdrawal"))
 }
 
-/// The request as recorded: its key trimmed, bounded and printable (as the CLI and the API both
-/// take it), asked for by a named principal.
-fn normalized(request: &Request) -> Result<std::borrow::Cow<'_, Request>, RequestError> {
-    let external_id =
-        custodian_domain::ExternalId::parse(&request.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
+/// The request if it can be recorded: a positive amount, asked for by a named principal (its
+/// key, asset and destination were parsed into their types).
+fn normalized(request: &Request) -> Result<&Request, RequestError> {
     if request.requested_by.trim().is_empty() {
         return Err(RequestError::Invalid("a withdrawal needs the authenticated principal asking for it".into()));
     }
     if request.amount.is_zero() {
         return Err(RequestError::Invalid("amount must be greater than zero".into()));
     }
-    Ok(if external_id.as_str() == request.external_id {
-        std::borrow::Cow::Borrowed(request)
-    } else {
-        std::borrow::Cow::Owned(Request { external_id: external_id.as_str().to_owned(), ..request.clone() })
-    })
+    Ok(request)
 }
 
 /// Under the account's lock, in one statement, for an asset with a daily limit: an earlier
@@ -339,7 +297,7 @@ fn refusal(e: &tokio_postgres::Error, request: &Request) -> Option<Result<Tried,
         "CW001" => Some(Err(RequestError::Invalid(format!("unknown account {}", request.account_id)))),
         "CW002" => Some(Ok(Tried::Raced(detail().parse().expect("BUG: CW002's detail is an id")))),
         "CW003" => Some(Err(RequestError::InsufficientFunds {
-            asset: request.asset.clone(),
+            asset: request.asset.key(),
             requested: request.amount,
             available: detail().parse().expect("BUG: CW003's detail is a balance"),
         })),
@@ -402,7 +360,7 @@ struct Unlocked {
     earlier: Option<Withdrawal>,
     asset: Option<tokio_postgres::Row>,
     ours: Option<String>,
-    lanes: Vec<crate::hot_wallet::Lane>,
+    lanes: Vec<crate::hot_wallet::Lane<ChainAddress>>,
     id: i64,
 }
 
@@ -447,9 +405,9 @@ impl Unlocked {
         statements: &Statements,
         requests: &[&Request],
     ) -> Result<Vec<Unlocked>, tokio_postgres::Error> {
-        let accounts: Vec<i64> = requests.iter().map(|r| r.account_id).collect();
+        let accounts: Vec<i64> = requests.iter().map(|r| r.account_id.get()).collect();
         let keys: Vec<&str> = requests.iter().map(|r| r.external_id.as_str()).collect();
-        let assets: Vec<&str> = requests.iter().map(|r| r.asset.as_str()).collect();
+        let assets: Vec<String> = requests.iter().map(|r| r.asset.key()).collect();
         let chains: Vec<&str> = requests.iter().map(|r| r.destination.chain().as_str()).collect();
         let destinations: Vec<String> = requests.iter().map(|r| r.destination.stored()).collect();
         let count = i32::try_from(requests.len()).expect("BUG: a batch beyond i32");
@@ -472,13 +430,13 @@ impl Unlocked {
         let ours: std::collections::HashMap<(String, String), Option<String>> =
             ours.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect();
         let mut unlocked = Vec::with_capacity(requests.len());
-        for (n, r) in requests.iter().enumerate() {
+        for n in 0..requests.len() {
             let chain = chains[n];
             unlocked.push(Unlocked {
-                earlier: streams.get(&(r.account_id, r.external_id.clone())).and_then(|rows| fold_existing(rows)),
+                earlier: streams.get(&(accounts[n], keys[n].to_owned())).and_then(|rows| fold_existing(rows)),
                 asset: limits
                     .iter()
-                    .find(|row| row.get::<_, &str>(3) == r.asset && row.get::<_, &str>(4) == chain)
+                    .find(|row| row.get::<_, &str>(3) == assets[n] && row.get::<_, &str>(4) == chain)
                     .cloned(),
                 ours: ours.get(&(chain.to_owned(), destinations[n].clone())).cloned().flatten(),
                 // Retired lanes finish what they hold and take nothing new.
@@ -509,7 +467,7 @@ fn decide(request: &Request, unlocked: &Unlocked) -> Result<Policy, Result<Tried
         return Err(compare(withdrawal.clone(), request).map(|r| Tried::Done(Box::new(r))));
     }
     let Some(asset) = &unlocked.asset else {
-        return Err(Err(RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset))));
+        return Err(Err(RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset.key()))));
     };
     if let Some(why) = &unlocked.ours {
         return Err(Err(RequestError::Invalid(format!("{} {why}", request.destination))));
@@ -559,10 +517,10 @@ impl Composed {
             return Err(RequestError::LanePaused { lane: lane.lane.to_string(), reason: reason.clone() });
         }
         let requested = WithdrawalEvent::Requested {
-            account_id: AccountId::new(request.account_id),
+            account_id: request.account_id,
             external_id: request.external_id.clone(),
-            asset: Asset::parse_key(&request.asset).map_err(|e| RequestError::Invalid(e.to_string()))?,
-            destination: request.destination.stored(),
+            asset: request.asset,
+            destination: request.destination.clone(),
             amount: request.amount,
             lane: lane.lane.clone(),
             requested_by: request.requested_by.trim().to_owned(),
@@ -645,12 +603,10 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
         composed.counted();
         return Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true })));
     }
+    let (account, key, asset) = (request.account_id.get(), request.external_id.as_str(), request.asset.key());
     let (tx, reads) = custodian_store::Pipelined::begin_with_all(
         client,
-        &[
-            (&statements.lock, &[&request.account_id as P<'_>]),
-            (&statements.under_lock, &[&request.account_id, &request.external_id, &request.asset]),
-        ],
+        &[(&statements.lock, &[&account as P<'_>]), (&statements.under_lock, &[&account, &key, &asset])],
     )
     .await?;
     if reads[0].is_empty() {
@@ -669,7 +625,7 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
     if !available.covers(request.amount) {
         tx.rollback().await?;
         return Err(RequestError::InsufficientFunds {
-            asset: request.asset.clone(),
+            asset: request.asset.key(),
             requested: request.amount,
             available,
         });
@@ -708,7 +664,7 @@ pub async fn request_batch(
     let mut answers: Vec<Option<Result<Requested, RequestError>>> = requests.iter().map(|_| None).collect();
     let normalized: Vec<_> = requests.iter().map(normalized).collect();
     let mut keys = std::collections::HashSet::new();
-    let distinct = normalized.iter().flatten().all(|r| keys.insert((r.account_id, r.external_id.clone())));
+    let distinct = normalized.iter().flatten().all(|r| keys.insert((r.account_id, &r.external_id)));
     let mut alone = Vec::new();
     match batch(pool, &normalized, distinct).await {
         Ok(outcomes) => {
@@ -737,7 +693,7 @@ pub async fn request_batch(
 /// [`request`]; an error when none could be settled together.
 async fn batch(
     pool: &deadpool_postgres::Pool,
-    requests: &[Result<std::borrow::Cow<'_, Request>, RequestError>],
+    requests: &[Result<&Request, RequestError>],
     distinct: bool,
 ) -> Result<Vec<Option<Result<Requested, RequestError>>>, RequestError> {
     let mut outcomes: Vec<Option<Result<Requested, RequestError>>> = requests.iter().map(|_| None).collect();
@@ -746,7 +702,7 @@ async fn batch(
     }
     let client = pool.get().await?;
     let statements = Statements::prepare(&client).await?;
-    let valid: Vec<&Request> = requests.iter().filter_map(|r| r.as_deref().ok()).collect();
+    let valid: Vec<&Request> = requests.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
     let mut read = Unlocked::read_many(&client, &statements, &valid).await?.into_iter();
     let reads: Vec<Option<Unlocked>> =
         requests.iter().map(|r| r.is_ok().then(|| read.next().expect("BUG: one read per request"))).collect();
@@ -792,12 +748,12 @@ pub struct Rebalance {
     pub from_lane: String,
     /// The lane receiving.
     pub to_lane: String,
-    /// Asset key (`ETH` or `eth:0x…`).
-    pub asset: String,
+    /// What is moved (ETH or a token).
+    pub asset: Asset,
     /// Smallest units.
     pub amount: Amount,
     /// The operator's idempotency key.
-    pub external_id: String,
+    pub external_id: ExternalId,
     /// The operator.
     pub requested_by: String,
 }
@@ -810,15 +766,6 @@ pub struct Rebalance {
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing.
 pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) -> Result<Requested, RequestError> {
-    let external_id =
-        custodian_domain::ExternalId::parse(&r.external_id).map_err(|e| RequestError::Invalid(e.to_string()))?;
-    let trimmed;
-    let r = if external_id.as_str() == r.external_id {
-        r
-    } else {
-        trimmed = Rebalance { external_id: external_id.as_str().to_owned(), ..r.clone() };
-        &trimmed
-    };
     if r.requested_by.trim().is_empty() {
         return Err(RequestError::Invalid("a rebalance needs the authenticated principal asking for it".into()));
     }
@@ -836,15 +783,18 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     };
     let (from, to) = (find(&r.from_lane)?, find(&r.to_lane)?);
     let found = tx
-        .query_opt("select id from withdrawal where account_id = $1 and external_id = $2", &[&treasury, &r.external_id])
+        .query_opt(
+            "select id from withdrawal where account_id = $1 and external_id = $2",
+            &[&treasury, &r.external_id.as_str()],
+        )
         .await?;
     if let Some(row) = found {
         let withdrawal = sql::load(&tx, row.get(0)).await?.expect("BUG: projection row without events");
         let mut fields = Vec::new();
-        if withdrawal.asset().key() != r.asset {
+        if withdrawal.asset() != r.asset {
             fields.push("asset");
         }
-        if withdrawal.destination() != to.address || *withdrawal.lane() != from.lane {
+        if *withdrawal.destination() != ChainAddress::Eth(to.address) || *withdrawal.lane() != from.lane {
             fields.push("lanes");
         }
         if withdrawal.amount() != r.amount {
@@ -854,7 +804,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
             return Ok(Requested { withdrawal, created: false });
         }
         return Err(RequestError::Conflict {
-            external_id: r.external_id.clone(),
+            external_id: r.external_id.to_string(),
             existing: withdrawal.id().get(),
             fields,
         });
@@ -862,8 +812,8 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     if let Some(reason) = &from.pause_reason {
         return Err(RequestError::LanePaused { lane: from.lane.to_string(), reason: reason.clone() });
     }
-    if tx.query_opt("select 1 from asset where asset = $1 and chain = 'eth'", &[&r.asset]).await?.is_none() {
-        return Err(RequestError::Invalid(format!("unknown asset {:?}", r.asset)));
+    if tx.query_opt("select 1 from asset where asset = $1 and chain = 'eth'", &[&r.asset.key()]).await?.is_none() {
+        return Err(RequestError::Invalid(format!("unknown asset {:?}", r.asset.key())));
     }
     let id: i64 = tx.query_one("select nextval('withdrawal_id_seq')", &[]).await?.get(0);
     let withdrawal = sql::start(
@@ -872,8 +822,8 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
         WithdrawalEvent::Requested {
             account_id: AccountId::new(treasury),
             external_id: r.external_id.clone(),
-            asset: Asset::parse_key(&r.asset).map_err(|e| RequestError::Invalid(e.to_string()))?,
-            destination: to.address.clone(),
+            asset: r.asset,
+            destination: ChainAddress::Eth(to.address),
             amount: r.amount,
             lane: from.lane.clone(),
             requested_by: r.requested_by.trim().to_owned(),

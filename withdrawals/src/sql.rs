@@ -7,7 +7,7 @@
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{posting_rules, Nonce};
-use custodian_domain::{Chain, TxHash, WithdrawalId};
+use custodian_domain::{Chain, ChainAddress, TxHash, WithdrawalId};
 use custodian_store::{append_withdrawal_event, ledger, AppendError};
 use deadpool_postgres::{GenericClient, Transaction};
 
@@ -110,13 +110,13 @@ pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
     ProjectionParams {
         id: w.id().get(),
         account_id: w.account_id().get(),
-        external_id: w.external_id().to_owned(),
+        external_id: w.external_id().to_string(),
         asset: w.asset().key(),
-        destination: w.destination().to_owned(),
+        destination: w.destination().stored(),
         amount: w.amount().units(),
         state: w.state().as_str(),
         lane: w.lane().to_string(),
-        from_address: w.from_address().map(str::to_owned),
+        from_address: w.from_address().map(ChainAddress::stored),
         nonce: w.nonce().map(Nonce::stored),
         tx_hash: w.tx_hash().map(|h| h.to_string()),
         mined_block_hash: w.mined_block_hash().map(|h| h.to_string()),

@@ -27,7 +27,7 @@ impl AdminService {
 fn hot_wallet(lane: Lane) -> pb::HotWallet {
     pb::HotWallet {
         chain: wire::chain_to_pb(Chain::Eth),
-        address: wire::display_address(Chain::Eth, &lane.address),
+        address: lane.address.to_checksummed(),
         lane: lane.lane.to_string(),
         next_nonce: lane.next_nonce.stored(),
         paused: lane.pause_reason.is_some(),

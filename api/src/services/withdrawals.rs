@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use custodian_domain::{Chain, Nonce};
+use custodian_domain::{AccountId, ExternalId, Nonce};
 use custodian_withdrawals::actions;
 use custodian_withdrawals::listing::{self, Listed};
 use custodian_withdrawals::request::{self, Request as WithdrawalRequest};
@@ -34,15 +34,15 @@ fn withdrawal(listed: Listed) -> pb::Withdrawal {
     pb::Withdrawal {
         id: w.id().get(),
         account_id: Some(w.account_id().get()),
-        external_id: w.external_id().to_owned(),
+        external_id: w.external_id().to_string(),
         asset: w.asset().key(),
         symbol,
-        destination: wire::display_address(Chain::Eth, w.destination()),
+        destination: w.destination().to_string(),
         amount: w.amount().to_string(),
         amount_display: w.amount().to_decimal_string(decimals),
         state: wire::state_to_pb(w.state()),
         lane: w.lane().to_string(),
-        from_address: w.from_address().map(|a| wire::display_address(Chain::Eth, a)),
+        from_address: w.from_address().map(ToString::to_string),
         nonce: w.nonce().map(Nonce::get),
         tx_hash: w.tx_hash().map(|h| h.to_string()),
         mined_block_hash: w.mined_block_hash().map(|h| h.to_string()),
@@ -99,10 +99,11 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         let caller = self.state.auth.authorize(&request, Scope::Withdraw, "RequestWithdrawal").await?;
         let message = request.get_ref();
         let external_id = wire::required(&message.external_id, "external_id")?;
+        let external_id = ExternalId::parse(external_id).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let asset = wire::required(&message.asset, "asset")?;
         let known = {
             let known = self.state.known.lock().expect("BUG: known accounts poisoned");
-            (known.accounts.contains(&message.account_id), known.assets.get(asset).cloned())
+            (known.accounts.contains(&message.account_id), known.assets.get(asset).copied())
         };
         let (asset, asset_decimals, chain) = match known {
             (true, Some(found)) => found,
@@ -128,7 +129,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
                     *known = crate::Known::default();
                 }
                 known.accounts.insert(message.account_id);
-                known.assets.insert(asset.to_owned(), found.clone());
+                known.assets.insert(asset.to_owned(), found);
                 found
             }
         };
@@ -137,8 +138,8 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
             request::parse(chain, self.state.btc_network, &message.destination, amount, decimals)
                 .map_err(status::request)?;
         let parsed = WithdrawalRequest {
-            account_id: message.account_id,
-            external_id: external_id.to_owned(),
+            account_id: AccountId::new(message.account_id),
+            external_id,
             asset,
             destination,
             amount,
@@ -147,7 +148,7 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         // Written with the requests of other callers, on a connection of its batch's.
         let outcome = self.state.requests.request(parsed.clone()).await.map_err(status::request)?;
         if outcome.created {
-            tracing::info!(id = %outcome.withdrawal.id(), account = parsed.account_id, "withdrawal requested");
+            tracing::info!(id = %outcome.withdrawal.id(), account = %parsed.account_id, "withdrawal requested");
         }
         let withdrawal = load(&self.state.client().await?, outcome.withdrawal.id().get()).await?;
         Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))

@@ -98,7 +98,7 @@ async fn a_deposit_is_credited_and_a_withdrawal_confirmed_through_the_api_alone(
     // The withdrawal: requested through the API, paid out by the real worker.
     let node = EthNode::new(&anvil.url).unwrap();
     let signer = LocalSigner::from_hex(LANE_KEY).unwrap();
-    hot_wallet::add(&mut api.db.pool.get().await.unwrap(), &node, "a", LANE_ADDRESS, "ops")
+    hot_wallet::add(&mut api.db.pool.get().await.unwrap(), &node, "a", LANE_ADDRESS.parse().unwrap(), "ops")
         .await
         .expect("register the lane");
     let signers: HashMap<String, Arc<dyn Signer>> =

@@ -21,7 +21,7 @@ use alloy_primitives::U256;
 use bitcoin::consensus::{deserialize, serialize};
 use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BlockHash, BtcAddress, BtcNetwork, Chain, TxHash};
+use custodian_domain::{Amount, BlockHash, BtcAddress, BtcNetwork, Chain, ChainAddress, TxHash};
 use custodian_store::{Pipelined, Pool};
 use deadpool_postgres::GenericClient;
 use tokio::sync::watch;
@@ -102,7 +102,7 @@ struct OpenSpend {
 /// One lane's turn in a pass, at one height: what allocating, cancelling and bumping work from.
 #[derive(Clone, Copy)]
 struct LaneTurn<'a> {
-    lane: &'a Lane,
+    lane: &'a Lane<BtcAddress>,
     key: &'a BtcHotKey,
     /// The chain height the pass works at.
     tip: u64,
@@ -285,15 +285,14 @@ impl BtcWorker {
     pub async fn pass(&self) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
         let Some(tip) = self.tip().await? else { return Ok(report) };
-        let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
+        let lanes = hot_wallet::lanes_on::<BtcAddress, _>(&self.pool.get().await?).await?;
         for lane in lanes {
             let Some(key) = self.keys.get(lane.lane.as_str()) else { continue };
-            let key_address = key.funding_address().to_string();
-            if key_address != lane.address {
+            if key.funding_address() != *lane.address.as_bitcoin() {
                 return Err(WorkError::WrongKey {
                     lane: lane.lane.to_string(),
-                    key_address,
-                    lane_address: lane.address,
+                    key_address: key.funding_address().to_string(),
+                    lane_address: lane.address.to_string(),
                 });
             }
             if let Err(e) = self.lane_pass(&lane, key, tip, &mut report).await {
@@ -310,7 +309,7 @@ impl BtcWorker {
 
     async fn lane_pass(
         &self,
-        lane: &Lane,
+        lane: &Lane<BtcAddress>,
         key: &BtcHotKey,
         tip: u64,
         report: &mut PassReport,
@@ -363,7 +362,7 @@ impl BtcWorker {
     pub async fn allocate_lane(&self, lane: &str) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
         let Some(tip) = self.tip().await? else { return Ok(report) };
-        let lanes = hot_wallet::lanes_on(&self.pool.get().await?, "btc").await?;
+        let lanes = hot_wallet::lanes_on::<BtcAddress, _>(&self.pool.get().await?).await?;
         if let (Some(lane), Some(key)) = (lanes.iter().find(|l| l.lane == lane), self.keys.get(lane)) {
             let turn = LaneTurn { lane, key, tip, rate: self.fee_rate(tip).await? };
             self.allocate_with(turn, &mut report).await?;
@@ -418,7 +417,8 @@ impl BtcWorker {
         let mut tampered = Vec::new();
         for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()) {
             match verified_request(row, 4) {
-                Ok(w) => match BtcAddress::parse(w.destination(), self.config.network) {
+                // Read again against the network: a row written by hand may name another's.
+                Ok(w) => match BtcAddress::parse(&w.destination().stored(), self.config.network) {
                     Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
                     Err(e) => tampered
                         .push((w.id().get(), format!("its destination cannot be paid: {e}; nothing was signed"))),
@@ -491,7 +491,13 @@ impl BtcWorker {
         let payloads: Vec<serde_json::Value> = ready
             .iter()
             .map(|_| {
-                WithdrawalEvent::Signed { from_address: address.clone(), nonce: None, tx_hash, at_block: tip }.payload()
+                WithdrawalEvent::Signed {
+                    from_address: ChainAddress::Btc(lane.address.clone()),
+                    nonce: None,
+                    tx_hash,
+                    at_block: tip,
+                }
+                .payload()
             })
             .collect();
         let coin_txids: Vec<String> = spent.iter().map(|c| c.outpoint.txid.to_string()).collect();
@@ -635,7 +641,7 @@ impl BtcWorker {
     /// (`mined`, then after the depth `confirmed` with its share of the real fee, or `cancelled`
     /// if it was the cancel); a coin spent by a transaction of no sibling is `needs_review` and
     /// the lane pauses; a mined spend whose block left the canonical chain is `unmined`.
-    async fn settle(&self, lane: &Lane, tip: u64, report: &mut PassReport) -> Result<(), WorkError> {
+    async fn settle(&self, lane: &Lane<BtcAddress>, tip: u64, report: &mut PassReport) -> Result<(), WorkError> {
         let client = self.pool.get().await?;
         let open = Self::open_spends(
             &client,
@@ -758,7 +764,12 @@ impl BtcWorker {
     /// Sends the live attempt of every signed, unmined spend (again, each pass: a transaction
     /// evicted from the mempool is simply accepted again). Returns the spends the node refused for
     /// their fee: they are bumped now.
-    async fn broadcast(&self, lane: &Lane, tip: u64, report: &mut PassReport) -> Result<HashSet<i64>, WorkError> {
+    async fn broadcast(
+        &self,
+        lane: &Lane<BtcAddress>,
+        tip: u64,
+        report: &mut PassReport,
+    ) -> Result<HashSet<i64>, WorkError> {
         let client = self.pool.get().await?;
         let mut refused = HashSet::new();
         for spend in Self::open_spends(&client, lane.lane.as_str(), &UNMINED).await? {
@@ -893,7 +904,7 @@ impl BtcWorker {
     #[allow(clippy::too_many_arguments)]
     async fn store_replacement(
         &self,
-        lane: &Lane,
+        lane: &Lane<BtcAddress>,
         spend: &OpenSpend,
         live: TxHash,
         kind: AttemptKind,

@@ -70,7 +70,7 @@ pub(crate) fn verified_request(row: &tokio_postgres::Row, first: usize) -> Resul
     let fact = PaidAs {
         account_id: folded.account_id().get(),
         asset: folded.asset().key(),
-        destination: folded.destination().to_owned(),
+        destination: folded.destination().stored(),
         amount: folded.amount(),
     };
     if fact != projected {
@@ -163,7 +163,7 @@ impl Worker {
                     short =
                         Some(format!(
                         "{} of {}: the hot wallet can spend {left} after its in-flight payouts, withdrawal {} needs {}",
-                        w.asset(), lane.address, w.id(), w.amount()
+                        w.asset(), lane.address.to_lowercase_hex(), w.id(), w.amount()
                     ));
                     break;
                 }
@@ -174,7 +174,7 @@ impl Worker {
                 short = Some(format!(
                     "ETH of {}: the hot wallet can spend {} wei after its in-flight attempts, withdrawal {} needs up to \
                      {cost} wei (value and gas at {max_fee} wei per gas)",
-                    lane.address, funds.ether, w.id()
+                    lane.address.to_lowercase_hex(), funds.ether, w.id()
                 ));
                 break;
             }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use alloy_primitives::{Address, B256};
+use alloy_primitives::B256;
 use custodian_domain::withdrawal::{WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Nonce, TxHash};
 
@@ -45,7 +45,7 @@ impl Worker {
         lane: &Lane,
         report: &mut PassReport,
     ) -> Result<HashMap<i64, TxHash>, WorkError> {
-        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let address = lane.address.as_alloy();
         let (mined, pending) = futures::try_join!(self.node.nonce(address, false), self.node.nonce(address, true))?;
         let client = self.pool.get().await?;
         // Which withdrawals need a look: a first broadcast; a nonce the node's pool lacks (at or
@@ -148,7 +148,8 @@ impl Worker {
                 } else if message.contains("nonce too low") {
                     // Benign for the broadcaster (settlement decides), but outside a slot that was
                     // just settled it is the signature of double allocation: count it.
-                    metrics::counter!("custodian_nonce_too_low_total", "address" => lane.address.clone()).increment(1);
+                    metrics::counter!("custodian_nonce_too_low_total", "address" => lane.address.to_lowercase_hex())
+                        .increment(1);
                     Ok(Sent::Pending)
                 } else if message.contains("insufficient funds") {
                     self.pause(lane, &format!("hot wallet cannot pay: {e}"), report).await?;

@@ -396,11 +396,11 @@ impl Worker {
         let mut parts = Vec::new();
         for lane in lanes {
             let Some(signer) = self.signers.get(lane.lane.as_str()) else { continue };
-            if hex(signer.address()) != lane.address {
+            if signer.address() != lane.address.as_alloy() {
                 return Err(WorkError::WrongKey {
                     lane: lane.lane.to_string(),
                     key_address: hex(signer.address()),
-                    lane_address: lane.address,
+                    lane_address: lane.address.to_lowercase_hex(),
                 });
             }
             // Each lane's part is independent: a lane failing transiently (its node calls, its

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use alloy::consensus::TxEip1559;
 use alloy_primitives::{TxKind, U256};
 use custodian_domain::withdrawal::WithdrawalEvent;
-use custodian_domain::{Nonce, TxHash};
+use custodian_domain::{ChainAddress, Nonce, TxHash};
 use custodian_store::Pipelined;
 
 use super::allocation::{review_tampered, verified_request};
@@ -212,7 +212,7 @@ impl Worker {
         for (signed_tx, nonce) in sign_all(signer, unsigned)?.into_iter().zip(&batch.nonces) {
             let hash = TxHash::Eth(signed_tx.hash);
             let event = WithdrawalEvent::Signed {
-                from_address: lane.address.clone(),
+                from_address: ChainAddress::Eth(lane.address),
                 nonce: Some(Nonce::from_stored(*nonce)),
                 tx_hash: hash,
                 at_block: head,
@@ -233,7 +233,7 @@ impl Worker {
             &write,
             &[
                 &lane.lane.as_str(),
-                &lane.address,
+                &lane.address.to_lowercase_hex(),
                 &batch.ids,
                 &batch.nonces,
                 &batch.seqs,

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use alloy_primitives::{Address, Bytes, TxKind, U256};
+use alloy_primitives::{Bytes, TxKind, U256};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, Nonce, TxHash};
 
@@ -69,7 +69,7 @@ impl Worker {
         refused: &HashMap<i64, TxHash>,
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
-        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let address = lane.address.as_alloy();
         let client = self.pool.get().await?;
         let lowest = client
             .query_opt(
@@ -187,7 +187,7 @@ impl Worker {
         let kind = if why == Why::Cancel { AttemptKind::Cancel } else { AttemptKind::Bump };
         let to = hex(call.to);
         let attempt = NewAttempt {
-            from: &lane.address,
+            from: &lane.address.to_lowercase_hex(),
             nonce: Nonce::new(previous.nonce),
             kind,
             intent,

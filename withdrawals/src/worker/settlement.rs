@@ -16,7 +16,7 @@ impl Worker {
     /// Which attempt mined, once the address's mined nonce count passes a withdrawal's nonce;
     /// then confirmation depth, what the mined bytes did, and reorgs of mined attempts.
     pub(super) async fn settle(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
-        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let address = lane.address.as_alloy();
         // The mined count is read at one block, whose hash is read again before concluding that
         // a nonce was consumed by something we did not sign: a reorg (or a node behind a load
         // balancer answering from another block) between the count and the receipts is not
@@ -83,9 +83,9 @@ impl Worker {
                 None => {
                     let reason = format!(
                         "nonce {nonce} of {} was used by a transaction this service did not sign",
-                        lane.address
+                        lane.address.to_lowercase_hex()
                     );
-                    metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+                    metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.to_lowercase_hex())
                         .increment(1);
                     tracing::error!(withdrawal = %id, lane = %lane.lane, "ALERT: {reason}");
                     if self
@@ -197,7 +197,7 @@ impl Worker {
                 "select n.withdrawal_id, n.nonce from nonce_allocation n join withdrawal w on w.id = n.withdrawal_id
                   where n.chain = 'eth' and n.from_address = $1 and n.nonce >= $2 and w.state = 'confirmed'
                   order by n.nonce",
-                &[&lane.address, &mined_count.stored()],
+                &[&lane.address.to_lowercase_hex(), &mined_count.stored()],
             )
             .await?;
         for row in gone {
@@ -249,7 +249,7 @@ impl Worker {
     /// A pending nonce above our cursor means the key signed something we did not allocate; one
     /// below it with nothing of ours in flight means transactions we recorded are not on chain.
     pub(super) async fn check_cursor(&self, lane: &Lane, report: &mut PassReport) -> Result<(), WorkError> {
-        let address: Address = lane.address.parse().expect("BUG: stored hot wallet is not an address");
+        let address = lane.address.as_alloy();
         let pending = self.node.nonce(address, true).await?;
         // Read our cursor after the node: every nonce the node has seen from us was committed
         // before it was sent, so a cursor read now covers it (a cursor read earlier, with other
@@ -272,7 +272,7 @@ impl Worker {
         if pending > next {
             let reason =
                 format!("chain nonce {pending} is above our next nonce {next}: the key was used outside the service");
-            metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.clone())
+            metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.to_lowercase_hex())
                 .increment(1);
             self.pause_for_resync(lane, &reason, report).await?;
         } else if pending < next && !in_flight {
@@ -316,7 +316,7 @@ fn outcome(
         None => {
             let reason = format!(
                 "attempt {tx_hash} mined, but its bytes pay neither the withdrawal ({}) nor a cancel",
-                w.destination()
+                w.destination().stored()
             );
             tracing::error!(withdrawal = %w.id(), "ALERT: {reason}");
             WithdrawalEvent::NeedsReview { reason }
@@ -341,7 +341,7 @@ fn settle_as(
         return WithdrawalEvent::FailedOnchain { tx_hash, block_hash, fee };
     }
     if let Some(token) = token_of(w.asset()) {
-        let destination: Address = w.destination().parse().expect("BUG: stored destination is not an address");
+        let destination = crate::payout::eth_destination(w);
         let paid = token_paid(&receipt.logs, token, hot_wallet, destination);
         if paid != w.amount().units() {
             metrics::counter!("custodian_token_payout_mismatch_total", "asset" => w.asset().key()).increment(1);

@@ -4,9 +4,9 @@
 
 use alloy_primitives::{keccak256, U256};
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, ChainAddress, EthAddress, ExternalId};
 use custodian_testkit::fixtures::{posted_balance, Normal};
-use custodian_withdrawals::request::{self, Destination, Request};
+use custodian_withdrawals::request::{self, Request};
 use custodian_withdrawals::{actions, hot_wallet, sql, WorkerConfig};
 use serde_json::json;
 
@@ -67,10 +67,10 @@ impl Token {
 
     async fn request(&self, h: &Harness, account: i64, external_id: &str, to: &str, amount: u64) -> i64 {
         let r = Request {
-            account_id: account,
-            external_id: external_id.to_owned(),
-            asset: self.asset.clone(),
-            destination: Destination::Eth(EthAddress::parse(to).unwrap()),
+            account_id: AccountId::new(account),
+            external_id: ExternalId::parse(external_id).unwrap(),
+            asset: Asset::parse_key(&self.asset).unwrap(),
+            destination: ChainAddress::Eth(EthAddress::parse(to).unwrap()),
             amount: Amount::from_u64(amount),
             requested_by: "wallet-app".to_owned(),
         };
@@ -167,7 +167,7 @@ async fn erc20_payouts_are_settled_by_their_transfer_events_not_their_status() {
     let bob = h.funded_account("bob", ETHER).await;
     let token = Token::deploy(&h, 1_000_000).await;
     for lane in hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap() {
-        token.give(&h, &lane.address, 100_000).await;
+        token.give(&h, &lane.address.to_lowercase_hex(), 100_000).await;
     }
     token.credit(&h, bob, 10_000).await;
     let worker = h.worker(config(1));
@@ -228,7 +228,7 @@ async fn five_token_payouts_against_a_balance_for_two_per_lane_wait_instead_of_r
     let token = Token::deploy(&h, 1_000_000).await;
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     for lane in &lanes {
-        token.give(&h, &lane.address, 100).await;
+        token.give(&h, &lane.address.to_lowercase_hex(), 100).await;
     }
     token.credit(&h, bob, 1_000).await;
     let mut ids = Vec::new();
@@ -258,7 +258,7 @@ async fn five_token_payouts_against_a_balance_for_two_per_lane_wait_instead_of_r
 
     // Topped up, the rest go out and the shortage clears.
     for lane in &lanes {
-        token.give(&h, &lane.address, 100).await;
+        token.give(&h, &lane.address.to_lowercase_hex(), 100).await;
     }
     h.work_until(&worker, false, "every payout to settle", |h| {
         Box::pin(async move { h.count("select count(*) from withdrawal where state = 'confirmed'").await == 5 })

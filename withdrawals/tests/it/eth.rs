@@ -8,14 +8,14 @@ use std::time::Duration;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress, ExternalId};
 use custodian_projections::replay;
 use custodian_testkit::db::column;
 use custodian_testkit::eventually;
 use custodian_testkit::fixtures::{posted_balance, Normal};
 use custodian_testkit::proxy::RpcProxy;
 use custodian_withdrawals::limits::{self, LimitChange};
-use custodian_withdrawals::request::{self, Destination, Request, RequestError};
+use custodian_withdrawals::request::{self, Request, RequestError};
 use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, PassReport, Worker, WorkerConfig};
 use serde_json::json;
 
@@ -222,10 +222,10 @@ async fn an_erc20_withdrawal_the_hot_wallet_cannot_cover_waits_without_a_nonce_i
     let r = request::request(
         &h.db.pool,
         &Request {
-            account_id: bob,
-            external_id: "tt-1".into(),
-            asset: asset.clone(),
-            destination: Destination::Eth(EthAddress::parse(&destination(7)).unwrap()),
+            account_id: AccountId::new(bob),
+            external_id: ExternalId::parse("tt-1").unwrap(),
+            asset: Asset::parse_key(&asset).unwrap(),
+            destination: ChainAddress::Eth(EthAddress::parse(&destination(7)).unwrap()),
             amount: Amount::from_u64(1_000_000),
             requested_by: "wallet-app".into(),
         },
@@ -567,7 +567,10 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     assert_eq!(h.state(w.id().get()).await, WithdrawalState::NeedsReview);
     let payload = h.event_payload(w.id().get(), "needs_review").await.expect("a needs_review event");
     let reason = payload["reason"].as_str().expect("a reason");
-    assert!(reason.contains(&mallory) && reason.contains(w.destination()), "both values are recorded: {reason}");
+    assert!(
+        reason.contains(&mallory) && reason.contains(&w.destination().stored()),
+        "both values are recorded: {reason}"
+    );
     let lane = w.lane();
     let paused = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
     assert!(paused.iter().any(|l| l.lane == lane.as_str() && l.pause_reason.is_some()), "the lane paused: {paused:?}");
@@ -691,10 +694,10 @@ async fn transactions(h: &Harness, ids: &[i64]) -> i64 {
 
 fn eth_request(account: i64, external_id: &str, to: u64, wei: u128) -> Request {
     Request {
-        account_id: account,
-        external_id: external_id.to_owned(),
-        asset: "ETH".to_owned(),
-        destination: Destination::Eth(EthAddress::parse(&destination(to)).unwrap()),
+        account_id: AccountId::new(account),
+        external_id: ExternalId::parse(external_id).unwrap(),
+        asset: Asset::Native(Chain::Eth),
+        destination: ChainAddress::Eth(EthAddress::parse(&destination(to)).unwrap()),
         amount: Amount::from_units(U256::from(wei)),
         requested_by: "wallet-app".to_owned(),
     }
@@ -783,7 +786,7 @@ async fn concurrent_callers_through_the_coalescer_never_overdraw_an_account_and_
                 (Ok(a), Ok(b)) => {
                     assert_eq!(a.withdrawal.id(), b.withdrawal.id(), "request {n}: one withdrawal per key");
                     assert!(a.created != b.created, "request {n}: exactly one copy created it");
-                    assert_eq!(a.withdrawal.external_id(), format!("k-{n}"));
+                    assert_eq!(a.withdrawal.external_id().as_str(), format!("k-{n}"));
                     created += 1;
                 }
                 (Err(RequestError::InsufficientFunds { .. }), Err(RequestError::InsufficientFunds { .. })) => {

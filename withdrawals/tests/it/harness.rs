@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Amount, EthAddress};
+use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress, ExternalId};
 use custodian_projections::replay;
 use custodian_testkit::{eventually, Anvil, TestDb};
-use custodian_withdrawals::request::{self, Destination, Request, RequestError};
+use custodian_withdrawals::request::{self, Request, RequestError};
 use custodian_withdrawals::{actions, hot_wallet, sql, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
 use serde_json::{json, Value};
 
@@ -40,7 +40,7 @@ impl Harness {
         for (lane, key) in LANE_KEYS {
             let signer = LocalSigner::from_hex(key).unwrap();
             let mut client = db.pool.get().await.unwrap();
-            hot_wallet::add(&mut client, &node, lane, &format!("{:#x}", signer.address()), "ops").await.unwrap();
+            hot_wallet::add(&mut client, &node, lane, EthAddress::from_alloy(signer.address()), "ops").await.unwrap();
             signers.insert(lane.to_owned(), Arc::new(signer));
         }
         Harness { anvil, db, node, signers }
@@ -83,10 +83,10 @@ impl Harness {
         wei: u128,
     ) -> Result<request::Requested, RequestError> {
         let r = Request {
-            account_id: account,
-            external_id: external_id.to_owned(),
-            asset: "ETH".to_owned(),
-            destination: Destination::Eth(EthAddress::parse(to).unwrap()),
+            account_id: AccountId::new(account),
+            external_id: ExternalId::parse(external_id).unwrap(),
+            asset: Asset::Native(Chain::Eth),
+            destination: ChainAddress::Eth(EthAddress::parse(to).unwrap()),
             amount: Amount::from_units(U256::from(wei)),
             requested_by: "wallet-app".to_owned(),
         };
@@ -188,7 +188,7 @@ pub async fn one_on_each_lane(h: &Harness, account: i64, key: &str, first: u64) 
         by_lane.entry(w.lane().to_string()).or_insert(w.id().get());
     }
     let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
-    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.clone();
+    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap().address.to_lowercase_hex();
     (by_lane, lane_a)
 }
 
