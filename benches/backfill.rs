@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use alloy_primitives::U256;
-use custodian_domain::Chain;
+use custodian_domain::{BlockHash, Chain, ChainAddress, TxHash};
 use custodian_ingest::eth::EthReader;
 use custodian_ingest::{
     ChainReader, FetchedBlock, NoProgress, ReadError, ScanConfig, Scanner, Transfer, TransferAsset,
@@ -67,23 +67,24 @@ impl ChainReader for Synthetic {
         }
         let transfers = (0..TXS_PER_BLOCK)
             .map(|i| Transfer {
-                tx_hash: format!("0x{height:056x}{i:08x}"),
+                tx_hash: TxHash::parse(Chain::Eth, &format!("0x{height:056x}{i:08x}")).unwrap(),
                 kind: custodian_ingest::DepositKind::Native,
                 output_index: 0,
                 coinbase: false,
-                to: if i % WATCHED_EVERY == 0 {
+                to: ChainAddress::parse_stored(&if i % WATCHED_EVERY == 0 {
                     watched((height * (TXS_PER_BLOCK / WATCHED_EVERY) + i / WATCHED_EVERY) % WATCHED_ADDRESSES)
                 } else {
                     format!("0xff{:038x}", height * TXS_PER_BLOCK + i)
-                },
+                })
+                .unwrap(),
                 asset: TransferAsset::Native,
                 amount: U256::from(1_000_000_000u64 + i),
             })
             .collect();
         Ok(Some(FetchedBlock {
             height,
-            hash: block_hash(height),
-            parent_hash: block_hash(height.saturating_sub(1)),
+            hash: BlockHash::parse(Chain::Eth, &block_hash(height)).unwrap(),
+            parent_hash: BlockHash::parse(Chain::Eth, &block_hash(height.saturating_sub(1))).unwrap(),
             payload: vec![0x5a; PAYLOAD_BYTES],
             transfers,
             spends: Vec::new(),

@@ -1,16 +1,17 @@
 //! What a reader hands the scanner: one block's identity, its raw payload and its transfers.
 
 use alloy_primitives::U256;
+use custodian_domain::{BlockHash, ChainAddress, EthAddress, TxHash};
 
 /// One block as the node returned it, with every value transfer decoded from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FetchedBlock {
     /// Height of the block.
     pub height: u64,
-    /// Block hash in the chain's stored form.
-    pub hash: String,
-    /// Parent block hash in the chain's stored form.
-    pub parent_hash: String,
+    /// Block hash.
+    pub hash: BlockHash,
+    /// Parent block hash.
+    pub parent_hash: BlockHash,
     /// The exact bytes (BTC) or JSON (ETH) the node returned, retained for re-derivation.
     pub payload: Vec<u8>,
     /// Every transfer in the block, to any address; the scanner keeps those to watched ones.
@@ -23,11 +24,11 @@ pub struct FetchedBlock {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Spend {
     /// The spending transaction.
-    pub tx_hash: String,
+    pub tx_hash: TxHash,
     /// The input's position in it.
     pub input_index: u32,
     /// The spent output's transaction.
-    pub prev_tx: String,
+    pub prev_tx: TxHash,
     /// The spent output's vout.
     pub prev_vout: u32,
 }
@@ -35,15 +36,15 @@ pub struct Spend {
 /// Value moved to an address by a block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transfer {
-    /// Transaction hash in the chain's stored form.
-    pub tx_hash: String,
+    /// Transaction hash.
+    pub tx_hash: TxHash,
     /// Where in the transaction the money was found.
     pub kind: DepositKind,
     /// Stable across re-mining: BTC vout; ETH native 0; ERC-20 the log's position in the
     /// transaction's receipt; internal the call's position in the transaction's call tree.
     pub output_index: u32,
-    /// Recipient in the chain's stored form (lowercase `0x` hex for ETH).
-    pub to: String,
+    /// Recipient.
+    pub to: ChainAddress,
     /// What moved.
     pub asset: TransferAsset,
     /// How much, in the asset's smallest unit; never zero.
@@ -83,7 +84,7 @@ impl DepositKind {
 pub enum TransferAsset {
     /// The chain's native coin.
     Native,
-    /// An ERC-20 `Transfer` log emitted by this contract (lowercase `0x` hex). Only contracts an
-    /// operator registered count as deposits.
-    Erc20(String),
+    /// An ERC-20 `Transfer` log emitted by this contract. Only contracts an operator registered
+    /// count as deposits.
+    Erc20(EthAddress),
 }

@@ -8,7 +8,7 @@
 
 use alloy_primitives::U256;
 use bitcoin::consensus::deserialize;
-use custodian_domain::{BtcNetwork, Chain};
+use custodian_domain::{BlockHash, BtcAddress, BtcNetwork, Chain, ChainAddress, TxHash};
 use serde_json::{json, Value};
 
 use crate::block::{DepositKind, FetchedBlock, Spend, Transfer, TransferAsset};
@@ -83,13 +83,13 @@ pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<F
     let mut spends = Vec::new();
     for tx in &block.txdata {
         let coinbase = tx.is_coinbase();
-        let txid = tx.compute_txid().to_string();
+        let txid = TxHash::Btc(tx.compute_txid());
         if !coinbase {
             for (index, input) in tx.input.iter().enumerate() {
                 spends.push(Spend {
-                    tx_hash: txid.clone(),
+                    tx_hash: txid,
                     input_index: u32::try_from(index).map_err(malformed)?,
-                    prev_tx: input.previous_output.txid.to_string(),
+                    prev_tx: TxHash::Btc(input.previous_output.txid),
                     prev_vout: input.previous_output.vout,
                 });
             }
@@ -102,10 +102,10 @@ pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<F
                 continue;
             };
             transfers.push(Transfer {
-                tx_hash: txid.clone(),
+                tx_hash: txid,
                 kind: DepositKind::Output,
                 output_index: u32::try_from(vout).map_err(malformed)?,
-                to: address.to_string(),
+                to: ChainAddress::Btc(BtcAddress::from_bitcoin(address)),
                 asset: TransferAsset::Native,
                 amount: U256::from(output.value.to_sat()),
                 coinbase,
@@ -114,8 +114,8 @@ pub fn parse_block(payload: &[u8], height: u64, network: BtcNetwork) -> Result<F
     }
     Ok(FetchedBlock {
         height,
-        hash: block.block_hash().to_string(),
-        parent_hash: block.header.prev_blockhash.to_string(),
+        hash: BlockHash::Btc(block.block_hash()),
+        parent_hash: BlockHash::Btc(block.header.prev_blockhash),
         payload: payload.to_vec(),
         transfers,
         spends,
@@ -171,7 +171,7 @@ impl ChainReader for BtcReader {
         };
         let bytes = decode_hex(&hex).ok_or_else(|| malformed(format!("getblock {hash} 0 returned invalid hex")))?;
         let block = parse_block(&bytes, height, self.network)?;
-        if block.hash != hash {
+        if block.hash.to_string() != hash {
             return Err(malformed(format!("asked for block {hash}, got {}", block.hash)));
         }
         Ok(Some(block))

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use alloy::rpc::client::RpcClient;
 use alloy::transports::{RpcError, TransportErrorKind};
 use alloy_primitives::{b256, Address, Bytes, B256, U256, U64};
-use custodian_domain::Chain;
+use custodian_domain::{BlockHash, Chain, ChainAddress, EthAddress, TxHash};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -259,10 +259,10 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
         let Some(receipt) = successful.get(&tx.hash) else { continue };
         if let Some(to) = tx.to.filter(|_| !tx.value.is_zero()) {
             transfers.push(Transfer {
-                tx_hash: hex(tx.hash),
+                tx_hash: TxHash::Eth(tx.hash),
                 kind: DepositKind::Native,
                 output_index: 0,
-                to: hex(to),
+                to: ChainAddress::Eth(EthAddress::from_alloy(to)),
                 asset: TransferAsset::Native,
                 amount: tx.value,
                 coinbase: false,
@@ -271,10 +271,10 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
         if let Some(frame) = trace_of.get(&tx.hash) {
             for (position, to, value) in internal_calls(frame) {
                 transfers.push(Transfer {
-                    tx_hash: hex(tx.hash),
+                    tx_hash: TxHash::Eth(tx.hash),
                     kind: DepositKind::Internal,
                     output_index: position,
-                    to: hex(to),
+                    to: ChainAddress::Eth(EthAddress::from_alloy(to)),
                     asset: TransferAsset::Native,
                     amount: value,
                     coinbase: false,
@@ -291,11 +291,11 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
             }
             let to = Address::from_word(log.topics[2]);
             transfers.push(Transfer {
-                tx_hash: hex(tx.hash),
+                tx_hash: TxHash::Eth(tx.hash),
                 kind: DepositKind::Log,
                 output_index: u32::try_from(position).map_err(malformed)?,
-                to: hex(to),
-                asset: TransferAsset::Erc20(hex(log.address)),
+                to: ChainAddress::Eth(EthAddress::from_alloy(to)),
+                asset: TransferAsset::Erc20(EthAddress::from_alloy(log.address)),
                 amount,
                 coinbase: false,
             });
@@ -303,8 +303,8 @@ pub fn parse_payload(payload: &[u8]) -> Result<FetchedBlock, ReadError> {
     }
     Ok(FetchedBlock {
         height: block.number.to::<u64>(),
-        hash: hex(block.hash),
-        parent_hash: hex(block.parent_hash),
+        hash: BlockHash::Eth(block.hash),
+        parent_hash: BlockHash::Eth(block.parent_hash),
         payload: payload.to_vec(),
         transfers,
         spends: Vec::new(),
@@ -410,14 +410,15 @@ mod tests {
         let payload = format!(r#"{{"block":{BLOCK},"receipts":{receipts}}}"#);
         let block = parse_payload(payload.as_bytes()).expect("valid payload");
         assert_eq!(block.height, 16);
-        assert_eq!(block.hash, format!("0x{}", "1".repeat(64)));
-        assert_eq!(block.parent_hash, format!("0x{}", "2".repeat(64)));
-        let recipient = "0x70997970c51812dc3a010c7d01b50e0d17dc79c8".to_owned();
+        assert_eq!(block.hash.to_string(), format!("0x{}", "1".repeat(64)));
+        assert_eq!(block.parent_hash.to_string(), format!("0x{}", "2".repeat(64)));
+        let recipient = ChainAddress::parse_stored("0x70997970c51812dc3a010c7d01b50e0d17dc79c8").unwrap();
+        let tx = |digit: &str| TxHash::parse(Chain::Eth, &format!("0x{}", digit.repeat(64))).unwrap();
         assert_eq!(
             block.transfers,
             vec![
                 Transfer {
-                    tx_hash: format!("0x{}", "a".repeat(64)),
+                    tx_hash: tx("a"),
                     kind: DepositKind::Native,
                     output_index: 0,
                     to: recipient.clone(),
@@ -426,12 +427,14 @@ mod tests {
                     coinbase: false,
                 },
                 Transfer {
-                    tx_hash: format!("0x{}", "d".repeat(64)),
+                    tx_hash: tx("d"),
                     kind: DepositKind::Log,
                     // the block-wide log index is 3; its position in its own receipt is 0
                     output_index: 0,
                     to: recipient,
-                    asset: TransferAsset::Erc20("0x5fbdb2315678afecb367f032d93f642f64180aa3".into()),
+                    asset: TransferAsset::Erc20(
+                        EthAddress::parse("0x5fbdb2315678afecb367f032d93f642f64180aa3").unwrap()
+                    ),
                     amount: U256::from(1_234_567u64),
                     coinbase: false,
                 },

@@ -65,7 +65,11 @@ pub async fn reparse(
         let mut blocks = Vec::with_capacity(page.len());
         for (height, hash, payload) in &page {
             let block = parse_payload(chain, network, *height, payload).map_err(ScanError::Read)?;
-            assert_eq!(&block.hash, hash, "BUG: retained payload of {chain} block {hash} decodes to another block");
+            assert_eq!(
+                &block.hash.to_string(),
+                hash,
+                "BUG: retained payload of {chain} block {hash} decodes to another block"
+            );
             blocks.push(block);
         }
         let deposits = deposits_in(chain, &blocks, &watched, &tokens);
@@ -127,7 +131,7 @@ pub async fn verify_observations(
             let (height, hash, payload): (i64, String, Vec<u8>) = (row.get(0), row.get(1), row.get(2));
             let height = u64::try_from(height).expect("BUG: a check keeps heights non-negative");
             match parse_payload(chain, network, height, &payload) {
-                Ok(block) if block.hash == hash => blocks.push(block),
+                Ok(block) if block.hash.to_string() == hash => blocks.push(block),
                 Ok(block) => check.differences.push(format!(
                     "{chain} block {hash}: its retained payload is block {} at height {height}",
                     block.hash
@@ -138,11 +142,13 @@ pub async fn verify_observations(
             }
         }
         check.blocks += blocks.len() as u64;
-        let hashes: Vec<&str> = blocks.iter().map(|b| b.hash.as_str()).collect();
+        let hashes: Vec<String> = blocks.iter().map(|b| b.hash.to_string()).collect();
         let mut derived: std::collections::HashMap<(String, String, String, u32), sql::DepositRow> =
             deposits_in(chain, &blocks, &watched, &tokens)
                 .into_iter()
-                .map(|d| ((d.block_hash.clone(), d.tx_hash.clone(), d.kind.as_str().to_owned(), d.output_index), d))
+                .map(|d| {
+                    ((d.block_hash.to_string(), d.tx_hash.to_string(), d.kind.as_str().to_owned(), d.output_index), d)
+                })
                 .collect();
         let stored = client
             .query(
@@ -163,13 +169,15 @@ pub async fn verify_observations(
                     "{chain} observation {tx}:{kind}:{index} in block {block} is not in that block's retained payload"
                 )),
                 Some(d)
-                    if (d.address.as_str(), d.asset.as_str(), d.amount.as_str(), d.coinbase)
-                        != (address.as_str(), asset.as_str(), amount.as_str(), coinbase) =>
+                    if (d.address.stored(), d.asset.key(), d.amount.as_str(), d.coinbase)
+                        != (address.clone(), asset.clone(), amount.as_str(), coinbase) =>
                 {
                     check.differences.push(format!(
                         "{chain} observation {tx}:{kind}:{index} in block {block} says {amount} {asset} to {address}; \
                          the block's payload says {} {} to {}",
-                        d.amount, d.asset, d.address
+                        d.amount,
+                        d.asset,
+                        d.address.stored()
                     ))
                 }
                 Some(_) => {}
@@ -177,12 +185,12 @@ pub async fn verify_observations(
         }
         check.not_stored += derived.len() as u64;
         // Every stored spend must be an input of its own block's transactions.
-        let inputs: std::collections::HashSet<(&str, &str, u32, &str, u32)> = blocks
+        let inputs: std::collections::HashSet<(String, String, u32, String, u32)> = blocks
             .iter()
             .flat_map(|b| {
-                b.spends
-                    .iter()
-                    .map(move |s| (b.hash.as_str(), s.prev_tx.as_str(), s.prev_vout, s.tx_hash.as_str(), s.input_index))
+                b.spends.iter().map(move |s| {
+                    (b.hash.to_string(), s.prev_tx.to_string(), s.prev_vout, s.tx_hash.to_string(), s.input_index)
+                })
             })
             .collect();
         let spends = client
@@ -197,10 +205,10 @@ pub async fn verify_observations(
             let (block, tx, vout, spending, input): (String, String, i32, String, i32) =
                 (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
             let key = (
-                block.as_str(),
-                tx.as_str(),
+                block.clone(),
+                tx.clone(),
                 u32::try_from(vout).unwrap_or(u32::MAX),
-                spending.as_str(),
+                spending.clone(),
                 u32::try_from(input).unwrap_or(u32::MAX),
             );
             if !inputs.contains(&key) {

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use custodian_domain::Chain;
+use custodian_domain::{Asset, Chain, ChainAddress, EthAddress};
 use custodian_store::Pool;
 use futures::{StreamExt, TryStreamExt};
 
@@ -705,22 +705,21 @@ impl<R: ChainReader> Scanner<R> {
 pub fn deposits_in(
     chain: Chain,
     blocks: &[FetchedBlock],
-    watched: &HashSet<String>,
-    tokens: &HashMap<String, String>,
+    watched: &HashSet<ChainAddress>,
+    tokens: &HashMap<EthAddress, Asset>,
 ) -> Vec<DepositRow> {
-    let native = chain.native_symbol();
     blocks
         .iter()
         .flat_map(|block| block.transfers.iter().map(move |t| (block, t)))
         .filter(|(_, t)| watched.contains(&t.to))
         .filter_map(|(block, t)| {
             let asset = match &t.asset {
-                TransferAsset::Native => native.to_owned(),
-                TransferAsset::Erc20(contract) => tokens.get(contract)?.clone(),
+                TransferAsset::Native => Asset::Native(chain),
+                TransferAsset::Erc20(contract) => *tokens.get(contract)?,
             };
             Some(DepositRow {
-                block_hash: block.hash.clone(),
-                tx_hash: t.tx_hash.clone(),
+                block_hash: block.hash,
+                tx_hash: t.tx_hash,
                 kind: t.kind,
                 output_index: t.output_index,
                 coinbase: t.coinbase,

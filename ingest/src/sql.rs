@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use custodian_domain::Chain;
+use custodian_domain::{Asset, BlockHash, Chain, ChainAddress, EthAddress, TxHash};
 use custodian_store::pipeline::{Params, Pipelined};
 use deadpool_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
@@ -15,9 +15,9 @@ use crate::reader::ChainIdentity;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DepositRow {
     /// Block the transfer was observed in.
-    pub block_hash: String,
+    pub block_hash: BlockHash,
     /// Transaction hash.
-    pub tx_hash: String,
+    pub tx_hash: TxHash,
     /// Where in the transaction the money was found.
     pub kind: DepositKind,
     /// Stable index within the transaction for that kind.
@@ -25,9 +25,9 @@ pub struct DepositRow {
     /// A BTC coinbase output.
     pub coinbase: bool,
     /// Watched recipient.
-    pub address: String,
-    /// Asset key.
-    pub asset: String,
+    pub address: ChainAddress,
+    /// What moved.
+    pub asset: Asset,
     /// Smallest units, as a decimal string for `numeric(78,0)`.
     pub amount: String,
 }
@@ -136,7 +136,7 @@ pub async fn our_tip<C: GenericClient>(
 pub async fn watched_addresses<C: GenericClient>(
     client: &C,
     chain: Chain,
-) -> Result<HashSet<String>, tokio_postgres::Error> {
+) -> Result<HashSet<ChainAddress>, tokio_postgres::Error> {
     let rows = client
         .query(
             "select address from wallet_address where chain = $1
@@ -144,14 +144,25 @@ pub async fn watched_addresses<C: GenericClient>(
             &[&chain.as_str()],
         )
         .await?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    Ok(rows
+        .iter()
+        .map(|r| ChainAddress::parse_stored(r.get(0)).expect("BUG: wallet_address.address is checked by the table"))
+        .collect())
 }
 
-/// Registered ERC-20 contracts (lowercase hex) and their asset keys.
-pub async fn registered_tokens<C: GenericClient>(client: &C) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+/// Registered ERC-20 contracts and their assets.
+pub async fn registered_tokens<C: GenericClient>(
+    client: &C,
+) -> Result<HashMap<EthAddress, Asset>, tokio_postgres::Error> {
     let rows =
         client.query("select contract, asset from asset where chain = 'eth' and contract is not null", &[]).await?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let contract = EthAddress::parse(r.get(0)).expect("BUG: asset.contract is checked by the table");
+            (contract, Asset::parse_key(r.get(1)).expect("BUG: asset.asset is checked by the table"))
+        })
+        .collect())
 }
 
 pub(crate) const LOCK_CURSOR: &str = "select next_height from scan_cursor where chain = $1 for update";
@@ -196,25 +207,25 @@ select $1, s.prev_tx, s.prev_vout, s.spending_tx, s.input_index, s.block_hash
 on conflict (chain, tx_hash, output_index, block_hash) do nothing";
 
 /// Every input of `blocks` as the column arrays `INSERT_SPENDS` takes.
-struct SpendColumns<'a> {
-    prev_txs: Vec<&'a str>,
+struct SpendColumns {
+    prev_txs: Vec<String>,
     prev_vouts: Vec<i32>,
-    spending: Vec<&'a str>,
+    spending: Vec<String>,
     inputs: Vec<i32>,
-    blocks: Vec<&'a str>,
+    blocks: Vec<String>,
 }
 
-impl<'a> SpendColumns<'a> {
-    fn new(blocks: &'a [FetchedBlock]) -> Self {
+impl SpendColumns {
+    fn new(blocks: &[FetchedBlock]) -> Self {
         let mut columns =
             SpendColumns { prev_txs: vec![], prev_vouts: vec![], spending: vec![], inputs: vec![], blocks: vec![] };
         for block in blocks {
             for spend in &block.spends {
-                columns.prev_txs.push(&spend.prev_tx);
+                columns.prev_txs.push(spend.prev_tx.to_string());
                 columns.prev_vouts.push(i32::try_from(spend.prev_vout).expect("BUG: vout beyond i32"));
-                columns.spending.push(&spend.tx_hash);
+                columns.spending.push(spend.tx_hash.to_string());
                 columns.inputs.push(i32::try_from(spend.input_index).expect("BUG: input index beyond i32"));
-                columns.blocks.push(&block.hash);
+                columns.blocks.push(block.hash.to_string());
             }
         }
         columns
@@ -270,8 +281,8 @@ pub async fn ingest_batch(
     let (Some(first), Some(last)) = (blocks.first(), blocks.last()) else { return Ok(IngestOutcome::default()) };
     let name = chain.as_str();
     let heights: Vec<i64> = blocks.iter().map(|b| height_i64(b.height)).collect();
-    let hashes: Vec<&str> = blocks.iter().map(|b| b.hash.as_str()).collect();
-    let parents: Vec<&str> = blocks.iter().map(|b| b.parent_hash.as_str()).collect();
+    let hashes: Vec<String> = blocks.iter().map(|b| b.hash.to_string()).collect();
+    let parents: Vec<String> = blocks.iter().map(|b| b.parent_hash.to_string()).collect();
     let payloads: Vec<&[u8]> = blocks.iter().map(|b| b.payload.as_slice()).collect();
     let columns = DepositColumns::new(deposits);
     let deposit_params = columns.params(&name);
@@ -309,10 +320,11 @@ pub async fn ingest_batch(
     } else if found != Some(first.height) {
         Some(IngestError::CursorMoved { chain, expected: first.height, found })
     } else {
-        ours.filter(|ours| *ours != first.parent_hash).map(|ours| IngestError::ParentMismatch {
+        let parent = first.parent_hash.to_string();
+        ours.filter(|ours| *ours != parent).map(|ours| IngestError::ParentMismatch {
             chain,
             height: first.height,
-            parent: first.parent_hash.clone(),
+            parent,
             ours,
         })
     };
@@ -502,31 +514,31 @@ pub async fn insert_deposits<C: GenericClient>(
 
 /// Deposit rows as the column arrays `INSERT_DEPOSITS` takes.
 struct DepositColumns<'a> {
-    block_hashes: Vec<&'a str>,
-    tx_hashes: Vec<&'a str>,
+    block_hashes: Vec<String>,
+    tx_hashes: Vec<String>,
     kinds: Vec<&'static str>,
     indexes: Vec<i32>,
     coinbases: Vec<bool>,
-    addresses: Vec<&'a str>,
-    assets: Vec<&'a str>,
+    addresses: Vec<String>,
+    assets: Vec<String>,
     amounts: Vec<&'a str>,
 }
 
 impl<'a> DepositColumns<'a> {
     fn new(deposits: &'a [DepositRow]) -> Self {
-        let column = |f: fn(&DepositRow) -> &str| deposits.iter().map(f).collect::<Vec<_>>();
+        let stored = |f: fn(&DepositRow) -> String| deposits.iter().map(f).collect::<Vec<_>>();
         DepositColumns {
-            block_hashes: column(|d| &d.block_hash),
-            tx_hashes: column(|d| &d.tx_hash),
+            block_hashes: stored(|d| d.block_hash.to_string()),
+            tx_hashes: stored(|d| d.tx_hash.to_string()),
             kinds: deposits.iter().map(|d| d.kind.as_str()).collect(),
             coinbases: deposits.iter().map(|d| d.coinbase).collect(),
             indexes: deposits
                 .iter()
                 .map(|d| i32::try_from(d.output_index).expect("BUG: output index beyond i32"))
                 .collect(),
-            addresses: column(|d| &d.address),
-            assets: column(|d| &d.asset),
-            amounts: column(|d| &d.amount),
+            addresses: stored(|d| d.address.stored()),
+            assets: stored(|d| d.asset.key()),
+            amounts: deposits.iter().map(|d| d.amount.as_str()).collect(),
         }
     }
 
