@@ -69,7 +69,14 @@ async fn main() {
     hot_wallet::add_btc(&mut client, &key, "b0", sim.height(), "bench").await.unwrap();
     let (alice, _) = ownership::create_account(&client, "alice").await.unwrap();
     let deposit = sim.address(AddrKind::P2wpkh, 1);
-    ownership::assign_address(&mut client, Chain::Btc, &deposit.to_string(), alice.id, Some(0)).await.unwrap();
+    ownership::assign_address(
+        &mut client,
+        &ChainAddress::Btc(BtcAddress::from_bitcoin(deposit.clone())),
+        alice.id,
+        Some(0),
+    )
+    .await
+    .unwrap();
     let mut txs: Vec<bitcoin::Transaction> =
         (0..4).map(|_| sim.pay(&vec![(funding.clone(), bitcoin::Amount::from_sat(COIN_SATS)); COINS / 4])).collect();
     txs.push(sim.pay(&[(deposit, bitcoin::Amount::from_sat(100_000_000 * u64::try_from(scale).unwrap()))]));

@@ -4,7 +4,7 @@
 use std::time::SystemTime;
 
 use custodian_domain::withdrawal::WithdrawalState;
-use custodian_domain::{Chain, EthAddress};
+use custodian_domain::Chain;
 use tonic::Status;
 
 use crate::pb;
@@ -34,14 +34,6 @@ pub(crate) fn chain_to_pb(chain: Chain) -> i32 {
     match chain {
         Chain::Eth => pb::Chain::Eth.into(),
         Chain::Btc => pb::Chain::Btc.into(),
-    }
-}
-
-/// An address as shown to clients: EIP-55 for ETH (stored lowercase), unchanged for BTC.
-pub(crate) fn display_address(chain: Chain, stored: &str) -> String {
-    match chain {
-        Chain::Eth => EthAddress::parse(stored).map_or_else(|_| stored.to_owned(), |a| a.to_checksummed()),
-        Chain::Btc => stored.to_owned(),
     }
 }
 
@@ -185,14 +177,5 @@ mod tests {
         }
         assert_eq!(next_page_token(true, Some(9)), "9");
         assert_eq!(next_page_token(false, Some(9)), "");
-    }
-
-    #[test]
-    fn eth_addresses_are_shown_checksummed() {
-        assert_eq!(
-            display_address(Chain::Eth, "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266"),
-            "0xf39Fd6e51aad88F6F4ce6aB8827279cffFb92266"
-        );
-        assert_eq!(display_address(Chain::Btc, "bcrt1qxyz"), "bcrt1qxyz");
     }
 }

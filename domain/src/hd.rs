@@ -28,7 +28,7 @@ use bitcoin::hashes::{sha256, Hash, HashEngine};
 use bitcoin::secp256k1::{Secp256k1, VerifyOnly};
 use bitcoin::{CompressedPublicKey, NetworkKind};
 
-use crate::{BtcAddress, BtcNetwork, Chain, EthAddress};
+use crate::{BtcAddress, BtcNetwork, Chain, ChainAddress, EthAddress};
 
 /// Depth of an account-level key: `m / purpose' / coin_type' / account'`.
 pub const ACCOUNT_DEPTH: u8 = 3;
@@ -347,12 +347,11 @@ impl DepositKey {
         }
     }
 
-    /// The deposit address at `index`, in stored form: lowercase `0x` hex for ETH, the address
-    /// string for BTC.
-    pub fn stored_address(&self, index: u32) -> Result<String, HdError> {
+    /// The deposit address at `index`.
+    pub fn address(&self, index: u32) -> Result<ChainAddress, HdError> {
         match self {
-            DepositKey::Eth(key) => key.address(index).map(|a| a.to_lowercase_hex()),
-            DepositKey::Btc(key) => key.address(index).map(|a| a.to_string()),
+            DepositKey::Eth(key) => key.address(index).map(ChainAddress::Eth),
+            DepositKey::Btc(key) => key.address(index).map(ChainAddress::Btc),
         }
     }
 }
@@ -436,7 +435,7 @@ mod tests {
         // The tpub form of the same key derives the same addresses.
         let tpub = with_version(&xpub, version_of("tpub"));
         assert_eq!(EthDepositKey::parse(&tpub).expect("valid tpub").address(1), key.address(1));
-        assert_eq!(DepositKey::from(key).stored_address(0).unwrap(), "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266");
+        assert_eq!(DepositKey::from(key).address(0).unwrap().stored(), "0xf39fd6e51aad88f6f4ce6ab8827279cfffb92266");
     }
 
     #[test]
@@ -541,9 +540,9 @@ mod tests {
         let eth = DepositKey::from(EthDepositKey::parse(DEV_ETH_XPUB).unwrap());
         let btc = DepositKey::from(BtcDepositKey::parse(BIP84_ZPUB, BtcNetwork::Mainnet).unwrap());
         for key in [eth, btc] {
-            assert!(key.stored_address(FIRST_HARDENED_INDEX - 1).is_ok());
+            assert!(key.address(FIRST_HARDENED_INDEX - 1).is_ok());
             for index in [FIRST_HARDENED_INDEX, FIRST_HARDENED_INDEX + 1, u32::MAX] {
-                assert_eq!(key.stored_address(index), Err(HdError::HardenedIndex(index)), "{:?}", key.chain());
+                assert_eq!(key.address(index), Err(HdError::HardenedIndex(index)), "{:?}", key.chain());
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Deposit observations with their block, confirmations and attribution, as operators list them.
 
 use alloy_primitives::U256;
-use custodian_domain::{Amount, Chain};
+use custodian_domain::{AccountId, Amount, Asset, BlockHash, Chain, ChainAddress, TxHash};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -14,9 +14,9 @@ pub struct DepositView {
     /// Observation id.
     pub id: i64,
     /// Chain.
-    pub chain: String,
+    pub chain: Chain,
     /// Transaction hash.
-    pub tx_hash: String,
+    pub tx_hash: TxHash,
     /// Where in the transaction: `native`, `log`, `internal`, `output`.
     pub kind: String,
     /// Stable index within the transaction for that kind.
@@ -24,13 +24,13 @@ pub struct DepositView {
     /// The key every posting of this money is made under.
     pub deposit_key: String,
     /// Block the observation belongs to.
-    pub block_hash: String,
+    pub block_hash: BlockHash,
     /// Its height.
     pub height: i64,
     /// Recipient.
-    pub address: String,
-    /// Asset key.
-    pub asset: String,
+    pub address: ChainAddress,
+    /// What moved.
+    pub asset: Asset,
     /// Asset symbol.
     pub symbol: String,
     /// Smallest units.
@@ -38,7 +38,7 @@ pub struct DepositView {
     /// Whole units, for people.
     pub amount_display: String,
     /// Owner at the block's height (none for an address unassigned at that height).
-    pub account_id: Option<i64>,
+    pub account_id: Option<AccountId>,
     /// Owner's reference.
     pub account_ref: Option<String>,
     /// The block was retracted by a reorg.
@@ -90,21 +90,23 @@ pub async fn list<C: GenericClient>(
         .map(|r| {
             let decimals = u8::try_from(r.get::<_, i16>(9)).expect("BUG: decimals outside 0..=77");
             let amount = Amount::from_units(r.get::<_, U256>(10));
+            let chain: Chain = r.get::<_, &str>(1).parse().expect("BUG: deposit_event.chain is checked by the table");
+            let checked = "BUG: deposit_event's columns are checked by the table";
             DepositView {
                 id: r.get(0),
-                chain: r.get(1),
-                tx_hash: r.get(2),
+                chain,
+                tx_hash: TxHash::parse(chain, r.get(2)).expect(checked),
                 kind: r.get(18),
                 output_index: r.get(3),
                 deposit_key: r.get(19),
-                block_hash: r.get(4),
+                block_hash: BlockHash::parse(chain, r.get(4)).expect(checked),
                 height: r.get(5),
-                address: r.get(6),
-                asset: r.get(7),
+                address: ChainAddress::parse_stored(r.get(6)).expect(checked),
+                asset: Asset::parse_key(r.get(7)).expect(checked),
                 symbol: r.get(8),
                 amount,
                 amount_display: amount.to_decimal_string(decimals),
-                account_id: r.get(11),
+                account_id: r.get::<_, Option<i64>>(11).map(AccountId::new),
                 account_ref: r.get(12),
                 orphaned: r.get(13),
                 confirmations: r.get::<_, Option<i64>>(14).unwrap_or(0),

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use custodian_api::tokens::{self, Scope};
-use custodian_domain::{BtcAddress, Chain, EthAddress};
+use custodian_domain::{BtcAddress, Chain, ChainAddress, EthAddress};
 use custodian_store::operator::{self, Action};
 use custodian_store::ownership::{self, OwnershipError};
 use serde_json::json;
@@ -36,14 +36,12 @@ pub async fn create(settings: &Settings, external_ref: &str) -> Result<Exit> {
     Ok(Exit::Success)
 }
 
-/// Parses an address for `chain` into its stored form.
-pub fn stored_address(settings: &Settings, chain: Chain, address: &str) -> Result<String> {
+/// Parses an address for `chain` (for BTC, on the configured network).
+pub fn parse_address(settings: &Settings, chain: Chain, address: &str) -> Result<ChainAddress> {
     match chain {
-        Chain::Eth => {
-            EthAddress::parse(address.trim()).map(|a| a.to_lowercase_hex()).map_err(|e| invalid(e.to_string()))
-        }
+        Chain::Eth => EthAddress::parse(address.trim()).map(ChainAddress::Eth).map_err(|e| invalid(e.to_string())),
         Chain::Btc => {
-            BtcAddress::parse(address, settings.btc_network).map(|a| a.to_string()).map_err(|e| invalid(e.to_string()))
+            BtcAddress::parse(address, settings.btc_network).map(ChainAddress::Btc).map_err(|e| invalid(e.to_string()))
         }
     }
 }
@@ -55,7 +53,7 @@ pub async fn assign(
     address: &str,
     from_height: Option<u64>,
 ) -> Result<Exit> {
-    let address = stored_address(settings, chain, address)?;
+    let address = parse_address(settings, chain, address)?;
     if from_height.is_some_and(|h| i64::try_from(h).is_err()) {
         return Err(invalid("--from-height is too large"));
     }
@@ -67,10 +65,9 @@ pub async fn assign(
     };
     let mut client = pool.get().await.context("taking a database connection")?;
     let account = ownership::find_account(&client, account).await.map_err(classify)?;
-    let (owned, changed) =
-        ownership::assign_address_at(&mut client, chain, &address, account.id, from_height, node_tip)
-            .await
-            .map_err(classify)?;
+    let (owned, changed) = ownership::assign_address_at(&mut client, &address, account.id, from_height, node_tip)
+        .await
+        .map_err(classify)?;
     if settings.json {
         super::print_json(&json!({
             "chain": chain, "address": owned.address, "account_id": owned.account_id,
@@ -79,12 +76,16 @@ pub async fn assign(
     } else if changed {
         println!(
             "{chain} {} belongs to account {} from height {}",
-            owned.address, account.external_ref, owned.valid_from_height
+            owned.address.stored(),
+            account.external_ref,
+            owned.valid_from_height
         );
     } else {
         println!(
             "{chain} {} already belongs to account {} (from height {})",
-            owned.address, account.external_ref, owned.valid_from_height
+            owned.address.stored(),
+            account.external_ref,
+            owned.valid_from_height
         );
     }
     Ok(Exit::Success)

@@ -267,9 +267,11 @@ mod story {
             let derived = deposit_addresses::new_address(&mut pool.get().await?, &eth_key, account.id).await?;
             say(format!(
                 "  {name:<6} account {} deposit address {} (index {})",
-                account.id, derived.address, derived.derivation_index
+                account.id,
+                derived.address.stored(),
+                derived.derivation_index
             ));
-            addresses.insert(name, derived.address.clone());
+            addresses.insert(name, derived.address.stored());
             accounts.push((account.id, name.to_owned()));
         }
         let id = |name: &str| accounts.iter().find(|(_, n)| n == name).map(|(id, _)| *id).expect("demo account");
@@ -442,7 +444,7 @@ mod story {
         )?);
         let derived = deposit_addresses::new_address(&mut pool.get().await?, &btc_key, id("alice")).await?;
         say(format!("  alice's BTC deposit address (BIP-84 P2WPKH): {}", derived.address));
-        let address = bitcoin::Address::from_str(&derived.address)?.require_network(bitcoin::Network::Regtest)?;
+        let address = derived.address.btc().expect("a BTC key derives BTC addresses").as_bitcoin().clone();
         let tx = sim.pay(&[(address.clone(), bitcoin::Amount::from_sat(5_000_000))]);
         sim.mine_empty(1);
         sim.mine(&[tx]);

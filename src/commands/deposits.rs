@@ -54,13 +54,13 @@ pub async fn list(
             "{:<4} {:>8} {} {}:{}:{} {} {} -> {} [{}]",
             d.chain,
             d.height,
-            d.block_hash.get(..12).unwrap_or(&d.block_hash),
+            d.block_hash.to_string().get(..12).unwrap_or_default(),
             d.tx_hash,
             d.kind,
             d.output_index,
             d.amount_display,
             d.symbol,
-            d.account_ref.as_deref().unwrap_or(&d.address),
+            d.account_ref.clone().unwrap_or_else(|| d.address.stored()),
             state
         );
     }

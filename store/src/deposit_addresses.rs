@@ -12,7 +12,7 @@
 //! [`DepositKey`] for the address at an index and for the fingerprint of the key.
 
 use custodian_domain::hd::{DepositKey, HdError};
-use custodian_domain::Chain;
+use custodian_domain::{Chain, ChainAddress};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -21,8 +21,8 @@ use serde::Serialize;
 pub struct DerivedAddress {
     /// Chain.
     pub chain: Chain,
-    /// Address in stored form: lowercase `0x` hex for ETH, the address string for BTC.
-    pub address: String,
+    /// The address.
+    pub address: ChainAddress,
     /// Child index under the chain's receive chain (`…/0/{derivation_index}`).
     pub derivation_index: u32,
     /// Owner.
@@ -158,9 +158,9 @@ pub async fn new_address(
     };
     let stored_index: i32 = row.get(0);
     let index = u32::try_from(stored_index).expect("BUG: next_index >= 0 is checked by the table");
-    let address =
-        key.stored_address(index).map_err(|source| DepositAddressError::Derivation { chain, index, source })?;
-    let recorded = tx.query_one(RECORD_ADDRESS, &[&chain.as_str(), &address, &account_id, &stored_index]).await;
+    let address = key.address(index).map_err(|source| DepositAddressError::Derivation { chain, index, source })?;
+    let recorded =
+        tx.query_one(RECORD_ADDRESS, &[&chain.as_str(), &address.stored(), &account_id, &stored_index]).await;
     let valid_from_height = match recorded {
         Ok(row) => row.get(0),
         Err(e) => {
@@ -172,7 +172,7 @@ pub async fn new_address(
             } else if crate::is_unique_violation(&e, Some("wallet_address_pkey"))
                 || (has_code(&e, EXCLUSION_VIOLATION) && constraint == "wallet_address_no_overlap")
             {
-                DepositAddressError::AddressTaken { chain, address, index }
+                DepositAddressError::AddressTaken { chain, address: address.stored(), index }
             } else {
                 e.into()
             });
@@ -190,7 +190,8 @@ pub async fn list<C: GenericClient>(client: &C, account_id: i64) -> Result<Vec<D
         .iter()
         .map(|row| DerivedAddress {
             chain: row.get::<_, &str>(0).parse().expect("BUG: wallet_address.chain is checked by the table"),
-            address: row.get(1),
+            address: ChainAddress::parse_stored(row.get(1))
+                .expect("BUG: wallet_address.address is checked by the table"),
             derivation_index: u32::try_from(row.get::<_, i32>(2))
                 .expect("BUG: derivation_index >= 0 is checked by the table"),
             account_id: row.get(3),

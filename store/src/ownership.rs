@@ -5,7 +5,7 @@
 //! is what makes two owners at one height impossible; the checks here only turn its refusal into
 //! a message an operator can act on.
 
-use custodian_domain::Chain;
+use custodian_domain::{Chain, ChainAddress};
 use deadpool_postgres::GenericClient;
 use serde::Serialize;
 
@@ -23,8 +23,8 @@ pub struct Account {
 pub struct Ownership {
     /// Chain.
     pub chain: Chain,
-    /// Address in stored form.
-    pub address: String,
+    /// The address.
+    pub address: ChainAddress,
     /// Owner.
     pub account_id: i64,
     /// First height owned.
@@ -123,15 +123,14 @@ async fn tip<C: GenericClient>(client: &C, chain: Chain) -> Result<Option<i64>, 
 /// [`assign_address_at`] without the node's tip: a reassignment then needs an explicit height.
 pub async fn assign_address(
     client: &mut deadpool_postgres::Object,
-    chain: Chain,
-    address: &str,
+    address: &ChainAddress,
     account_id: i64,
     from_height: Option<u64>,
 ) -> Result<(Ownership, bool), OwnershipError> {
-    assign_address_at(client, chain, address, account_id, from_height, None).await
+    assign_address_at(client, address, account_id, from_height, None).await
 }
 
-/// Assigns `address` (stored form) to `account_id` from `from_height`, closing the current
+/// Assigns `address` to `account_id` from `from_height`, closing the current
 /// owner's open range. Default start: 0 for a never-assigned address; for a reassignment the
 /// node's tip + 1 (`node_tip`, read by the caller before this transaction), never below our own
 /// tip + 1, so payments in blocks the scanner has not read yet stay with the old owner. An explicit
@@ -142,12 +141,13 @@ pub async fn assign_address(
 /// One transaction; cancelled, it writes nothing.
 pub async fn assign_address_at(
     client: &mut deadpool_postgres::Object,
-    chain: Chain,
-    address: &str,
+    owned: &ChainAddress,
     account_id: i64,
     from_height: Option<u64>,
     node_tip: Option<u64>,
 ) -> Result<(Ownership, bool), OwnershipError> {
+    let chain = owned.chain();
+    let address = &*owned.stored();
     let tx = client.transaction().await?;
     // Serialise assignments of one address; the exclusion constraint is the real guard.
     tx.execute("select pg_advisory_xact_lock(hashtext($1 || ':' || $2))", &[&chain.as_str(), &address]).await?;
@@ -163,13 +163,7 @@ pub async fn assign_address_at(
     let from = match (latest, requested) {
         (Some((owner, from, None)), _) if owner == account_id => {
             return Ok((
-                Ownership {
-                    chain,
-                    address: address.to_owned(),
-                    account_id,
-                    valid_from_height: from,
-                    valid_to_height: None,
-                },
+                Ownership { chain, address: owned.clone(), account_id, valid_from_height: from, valid_to_height: None },
                 false,
             ));
         }
@@ -223,10 +217,7 @@ pub async fn assign_address_at(
         return Err(e.into());
     }
     tx.commit().await?;
-    Ok((
-        Ownership { chain, address: address.to_owned(), account_id, valid_from_height: from, valid_to_height: None },
-        true,
-    ))
+    Ok((Ownership { chain, address: owned.clone(), account_id, valid_from_height: from, valid_to_height: None }, true))
 }
 
 /// Registers an ERC-20 token. Registering the same token with the same details again is a no-op.

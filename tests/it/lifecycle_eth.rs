@@ -3,7 +3,7 @@
 //! nodes on another chain.
 
 use alloy::primitives::keccak256;
-use custodian_domain::{Amount, Chain};
+use custodian_domain::{Amount, Chain, ChainAddress};
 use custodian_projections::policy;
 use custodian_store::ownership;
 use custodian_testkit::db::column;
@@ -34,7 +34,9 @@ async fn scan(db: &TestDb, node: &Anvil) {
 async fn watch(db: &TestDb, name: &str, address: &str) -> i64 {
     let mut client = db.pool.get().await.unwrap();
     let (account, _) = ownership::create_account(&client, name).await.unwrap();
-    ownership::assign_address(&mut client, Chain::Eth, address, account.id, Some(0)).await.unwrap();
+    ownership::assign_address(&mut client, &ChainAddress::parse_stored(address).unwrap(), account.id, Some(0))
+        .await
+        .unwrap();
     account.id
 }
 

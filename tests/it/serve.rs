@@ -368,8 +368,7 @@ async fn the_scanner_rides_out_null_receipts_and_a_database_outage_and_healthz_s
         let (account, _) = custodian_store::ownership::create_account(&client, "alice").await.unwrap();
         custodian_store::ownership::assign_address(
             &mut client,
-            custodian_domain::Chain::Eth,
-            watched,
+            &custodian_domain::ChainAddress::parse_stored(watched).unwrap(),
             account.id,
             Some(0),
         )

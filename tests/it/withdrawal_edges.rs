@@ -253,8 +253,7 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
         let (account, _) = custodian_store::ownership::create_account(&client, "alice").await.unwrap();
         custodian_store::ownership::assign_address(
             &mut client,
-            custodian_domain::Chain::Eth,
-            deposit_address,
+            &custodian_domain::ChainAddress::parse_stored(deposit_address).unwrap(),
             account.id,
             Some(0),
         )

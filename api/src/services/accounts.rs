@@ -61,7 +61,7 @@ pub(crate) async fn account_by_id<C: GenericClient>(client: &C, id: i64) -> Resu
 fn deposit_address(derived: DerivedAddress) -> pb::DepositAddress {
     pb::DepositAddress {
         chain: wire::chain_to_pb(derived.chain),
-        address: wire::display_address(derived.chain, &derived.address),
+        address: derived.address.to_string(),
         derivation_index: derived.derivation_index,
         account_id: derived.account_id,
         valid_from_height: derived.valid_from_height,

@@ -30,7 +30,9 @@ pub async fn scan<R: ChainReader>(db: &TestDb, reader: R, config: ScanConfig) ->
 pub async fn watch(db: &TestDb, chain: Chain, account_ref: &str, address: &str) -> i64 {
     let mut client = db.pool.get().await.unwrap();
     let (account, _) = ownership::create_account(&client, account_ref).await.unwrap();
-    ownership::assign_address(&mut client, chain, address, account.id, Some(0)).await.unwrap();
+    let address = custodian_domain::ChainAddress::parse_stored(address).unwrap();
+    assert_eq!(address.chain(), chain, "{address} is not a {chain} address");
+    ownership::assign_address(&mut client, &address, account.id, Some(0)).await.unwrap();
     account.id
 }
 

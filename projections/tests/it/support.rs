@@ -25,7 +25,14 @@ pub async fn scan_and_post(db: &TestDb, sim: &BitcoinSim) -> posting::PostingRep
 pub async fn new_account(db: &TestDb, name: &str, address: &bitcoin::Address, from: u64) -> i64 {
     let mut client = db.pool.get().await.unwrap();
     let (account, _) = ownership::create_account(&client, name).await.unwrap();
-    ownership::assign_address(&mut client, Chain::Btc, &address.to_string(), account.id, Some(from)).await.unwrap();
+    ownership::assign_address(
+        &mut client,
+        &custodian_domain::ChainAddress::parse_stored(&address.to_string()).unwrap(),
+        account.id,
+        Some(from),
+    )
+    .await
+    .unwrap();
     account.id
 }
 

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use custodian_domain::hd::{BtcDepositKey, DepositKey, EthDepositKey};
-use custodian_domain::{BtcNetwork, Chain};
+use custodian_domain::{BtcNetwork, Chain, ChainAddress};
 use custodian_store::deposit_addresses::{self, DepositAddressError, DerivedAddress};
 use custodian_store::ownership;
 use custodian_testkit::TestDb;
@@ -62,14 +62,14 @@ async fn allocate_concurrently(db: &TestDb, key: DepositKey, accounts: &[i64], c
 /// at `count`.
 async fn assert_gapless_and_derived(db: &TestDb, key: &DepositKey, accounts: &[i64], derived: &[DerivedAddress]) {
     let count = derived.len();
-    let addresses: HashSet<&str> = derived.iter().map(|d| d.address.as_str()).collect();
+    let addresses: HashSet<String> = derived.iter().map(|d| d.address.stored()).collect();
     assert_eq!(addresses.len(), count, "every request got its own address");
     let mut indexes: Vec<u32> = derived.iter().map(|d| d.derivation_index).collect();
     indexes.sort_unstable();
     assert_eq!(indexes, (0..u32::try_from(count).unwrap()).collect::<Vec<_>>(), "indexes are 0..{count}, no gap");
     for d in derived {
         assert_eq!(d.chain, key.chain());
-        assert_eq!(d.address, key.stored_address(d.derivation_index).unwrap(), "index {}", d.derivation_index);
+        assert_eq!(d.address, key.address(d.derivation_index).unwrap(), "index {}", d.derivation_index);
         assert_eq!((d.valid_from_height, d.valid_to_height), (0, None));
     }
 
@@ -104,7 +104,7 @@ async fn concurrent_eth_requests_get_distinct_gapless_indexes() {
     assert_gapless_and_derived(&db, &key, &accounts, &derived).await;
     for (index, expected) in (0..).zip(DEV_ETH_ADDRESSES) {
         let found = derived.iter().find(|d| d.derivation_index == index).expect("index allocated");
-        assert_eq!(found.address, expected, "anvil's dev account {index}");
+        assert_eq!(found.address.stored(), expected, "anvil's dev account {index}");
     }
 }
 
@@ -119,13 +119,13 @@ async fn concurrent_btc_requests_get_distinct_gapless_indexes_independent_of_eth
     assert_gapless_and_derived(&db, &key, &accounts, &derived).await;
     for (index, expected) in (0..).zip(BIP84_ADDRESSES) {
         let found = derived.iter().find(|d| d.derivation_index == index).expect("index allocated");
-        assert_eq!(found.address, expected, "BIP-84 vector address {index}");
+        assert_eq!(found.address.stored(), expected, "BIP-84 vector address {index}");
     }
     // The ETH address allocated first kept its own counter and is still listed.
     let eth: Vec<_> = deposit_addresses::list(&client, accounts[0]).await.unwrap();
     let eth: Vec<_> =
-        eth.iter().filter(|d| d.chain == Chain::Eth).map(|d| (d.derivation_index, d.address.as_str())).collect();
-    assert_eq!(eth, [(0, DEV_ETH_ADDRESSES[0])]);
+        eth.iter().filter(|d| d.chain == Chain::Eth).map(|d| (d.derivation_index, d.address.stored())).collect();
+    assert_eq!(eth, [(0, DEV_ETH_ADDRESSES[0].to_owned())]);
 }
 
 #[tokio::test]
@@ -145,7 +145,11 @@ async fn a_different_key_is_refused_and_consumes_nothing() {
         other => panic!("a changed key must be refused, got {other:?}"),
     }
     let second = deposit_addresses::new_address(&mut client, &original, accounts[0]).await.unwrap();
-    assert_eq!((second.derivation_index, second.address.as_str()), (1, DEV_ETH_ADDRESSES[1]), "nothing was consumed");
+    assert_eq!(
+        (second.derivation_index, second.address.stored().as_str()),
+        (1, DEV_ETH_ADDRESSES[1]),
+        "nothing was consumed"
+    );
     // The other chain's counter is its own: the same key may start one there.
     let btc: DepositKey = BtcDepositKey::parse(BIP84_ZPUB, BtcNetwork::Mainnet).unwrap().into();
     assert_eq!(deposit_addresses::new_address(&mut client, &btc, accounts[0]).await.unwrap().derivation_index, 0);
@@ -164,7 +168,14 @@ async fn refused_requests_consume_no_index() {
     }
     // The address of index 0 was assigned by hand before anything was derived: the derivation
     // stops there with an error naming it, rather than giving one address two owners.
-    ownership::assign_address(&mut client, Chain::Eth, DEV_ETH_ADDRESSES[0], accounts[0], None).await.unwrap();
+    ownership::assign_address(
+        &mut client,
+        &ChainAddress::parse_stored(DEV_ETH_ADDRESSES[0]).unwrap(),
+        accounts[0],
+        None,
+    )
+    .await
+    .unwrap();
     match deposit_addresses::new_address(&mut client, &key, accounts[0]).await {
         Err(DepositAddressError::AddressTaken { chain: Chain::Eth, address, index: 0 }) => {
             assert_eq!(address, DEV_ETH_ADDRESSES[0]);
