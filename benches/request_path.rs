@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{one_row_ceiling, per_second, ratio};
+use common::{add_eth_lanes, one_row_ceiling, per_second, ratio, ETH_LANES};
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,14 +17,8 @@ use custodian_api::pb::health_client::HealthClient;
 use custodian_api::pb::withdrawals_client::WithdrawalsClient;
 use custodian_api::pb::{request_withdrawal_request, CheckRequest, RequestWithdrawalRequest};
 use custodian_testkit::{Anvil, TestDb};
-use custodian_withdrawals::{hot_wallet, EthNode, LocalSigner, Signer};
+use custodian_withdrawals::EthNode;
 use serde_json::json;
-
-/// anvil's dev keys 1 and 2 (well-known test keys).
-const LANES: [(&str, &str); 2] = [
-    ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
-    ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
-];
 
 fn percentiles(mut samples: Vec<Duration>) -> String {
     samples.sort_unstable();
@@ -149,18 +143,7 @@ async fn main() {
     let anvil = Anvil::spawn_with(&["--block-time", "1"]).await.unwrap();
     let db = TestDb::new().await;
     let node = EthNode::new(&anvil.url).unwrap();
-    for (lane, key) in LANES {
-        let signer = LocalSigner::from_hex(key).unwrap();
-        hot_wallet::add(
-            &mut db.pool.get().await.unwrap(),
-            &node,
-            lane,
-            custodian_domain::EthAddress::from_alloy(signer.address()),
-            "bench",
-        )
-        .await
-        .unwrap();
-    }
+    add_eth_lanes(&db, &node).await;
     let client = db.client().await;
     let mut accounts = Vec::new();
     for n in 0..64 {
@@ -185,7 +168,7 @@ async fn main() {
         &config,
         format!(
             "[eth]\nchain_id = 31337\n[hot_keys.a]\nkey = \"{}\"\n[hot_keys.b]\nkey = \"{}\"\n[api]\nrequests_per_second = 1000000\nburst = 1000000\npeer_requests_per_second = 1000000\npeer_burst = 1000000\n",
-            LANES[0].1, LANES[1].1
+            ETH_LANES[0].1, ETH_LANES[1].1
         ),
     )
     .unwrap();

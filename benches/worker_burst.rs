@@ -4,6 +4,9 @@
 //! and, for comparison, the chain's own ceiling: how many blocks anvil's gas limit needs to carry
 //! that many transfers. `WORKER_BURST` (default 2000) sets the count.
 
+#[allow(dead_code)] // only the lanes are shared
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,14 +16,8 @@ use custodian_domain::{AccountId, Amount, Asset, Chain, ChainAddress, EthAddress
 use custodian_testkit::{Anvil, TestDb};
 use custodian_withdrawals::payout::TRANSFER_GAS;
 use custodian_withdrawals::request::{self, Request};
-use custodian_withdrawals::{hot_wallet, EthNode, LocalSigner, Signer, Worker, WorkerConfig};
+use custodian_withdrawals::{EthNode, Signer, Worker, WorkerConfig};
 use serde_json::json;
-
-/// anvil's dev keys 1 and 2 (well-known test keys).
-const LANES: [(&str, &str); 2] = [
-    ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
-    ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
-];
 
 async fn block_number(anvil: &Anvil) -> u64 {
     let hex = anvil.rpc("eth_blockNumber", json!([])).await.unwrap();
@@ -38,17 +35,7 @@ async fn main() {
     let db = TestDb::new().await;
     let node = EthNode::new(&anvil.url).unwrap();
     let mut signers: HashMap<String, Arc<dyn Signer>> = HashMap::new();
-    for (lane, key) in LANES {
-        let signer = LocalSigner::from_hex(key).unwrap();
-        hot_wallet::add(
-            &mut db.pool.get().await.unwrap(),
-            &node,
-            lane,
-            EthAddress::from_alloy(signer.address()),
-            "bench",
-        )
-        .await
-        .unwrap();
+    for (lane, signer) in common::add_eth_lanes(&db, &node).await {
         signers.insert(lane.to_owned(), Arc::new(signer));
     }
     let client = db.client().await;

@@ -3,7 +3,29 @@
 
 use std::time::{Duration, Instant};
 
+use custodian_domain::EthAddress;
 use custodian_testkit::TestDb;
+use custodian_withdrawals::{hot_wallet, EthNode, LocalSigner, Signer};
+
+/// The ETH benches' two lanes and their keys: anvil's dev keys 1 and 2 (well-known test keys).
+#[allow(dead_code)] // the BTC bench has no ETH lane
+pub const ETH_LANES: [(&str, &str); 2] = [
+    ("a", "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"),
+    ("b", "0x5de4111afa1a4b94908f83103eb1f1706367c2e68ca870fc3fb9a804cdab365a"),
+];
+
+/// Registers [`ETH_LANES`] on `node` and returns each lane's signer.
+#[allow(dead_code)] // the BTC bench has no ETH lane
+pub async fn add_eth_lanes(db: &TestDb, node: &EthNode) -> Vec<(&'static str, LocalSigner)> {
+    let mut signers = Vec::new();
+    for (lane, key) in ETH_LANES {
+        let signer = LocalSigner::from_hex(key).unwrap();
+        let address = EthAddress::from_alloy(signer.address());
+        hot_wallet::add(&mut db.pool.get().await.unwrap(), node, lane, address, "bench").await.unwrap();
+        signers.push((lane, signer));
+    }
+    signers
+}
 
 /// `count` in `elapsed`, per second.
 pub fn per_second(count: u64, elapsed: Duration) -> u64 {
