@@ -129,6 +129,32 @@ pub async fn page<C: GenericClient>(client: &C, filter: &Filter) -> Result<(Vec<
     Ok((these(client, &ids).await?, more))
 }
 
+/// A withdrawal just recorded by a request, as listed: `withdrawal` is what the request wrote
+/// (nothing is signed for it yet), so only the projection's own columns are read, in one query
+/// (its events and attempts are not). `None` if no such row exists.
+pub async fn just_requested<C: GenericClient>(
+    client: &C,
+    withdrawal: Withdrawal,
+) -> Result<Option<Listed>, tokio_postgres::Error> {
+    let statement = client.prepare_cached(ROWS).await?;
+    let ids = [withdrawal.id().get()];
+    let params: [&(dyn ToSql + Sync); 1] = [&ids.as_slice()];
+    let row = client.query(&statement, &params).await?.pop();
+    Ok(row.map(|row| listed(withdrawal, &row, Vec::new())))
+}
+
+/// A withdrawal with its [`ROWS`] row and attempts.
+fn listed(withdrawal: Withdrawal, row: &Row, attempts: Vec<ListedAttempt>) -> Listed {
+    Listed {
+        withdrawal,
+        symbol: row.get(1),
+        decimals: u8::try_from(row.get::<_, i16>(2)).expect("BUG: decimals outside 0..=77"),
+        requested_at: row.get(3),
+        updated_at: row.get(4),
+        attempts,
+    }
+}
+
 /// `ids` that exist, in the order given: the three reads in one round trip.
 async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>, tokio_postgres::Error> {
     if ids.is_empty() {
@@ -161,14 +187,7 @@ async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>,
             let row = columns.remove(id)?;
             let withdrawal = Withdrawal::fold(WithdrawalId::new(*id), streams.get(id)?)
                 .expect("BUG: a projection row whose stream does not fold");
-            Some(Listed {
-                withdrawal,
-                symbol: row.get(1),
-                decimals: u8::try_from(row.get::<_, i16>(2)).expect("BUG: decimals outside 0..=77"),
-                requested_at: row.get(3),
-                updated_at: row.get(4),
-                attempts: signed.remove(id).unwrap_or_default(),
-            })
+            Some(listed(withdrawal, row, signed.remove(id).unwrap_or_default()))
         })
         .collect())
 }

@@ -150,7 +150,18 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         if outcome.created {
             tracing::info!(id = %outcome.withdrawal.id(), account = %parsed.account_id, "withdrawal requested");
         }
-        let withdrawal = load(&self.state.client().await?, outcome.withdrawal.id().get()).await?;
+        let client = self.state.client().await?;
+        // A new withdrawal is answered from what its request wrote; an earlier one as it is now.
+        let withdrawal = if outcome.created {
+            let id = outcome.withdrawal.id();
+            listing::just_requested(&client, outcome.withdrawal)
+                .await
+                .map_err(|e| status::database("reading the withdrawal", &e))?
+                .map(withdrawal)
+                .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?
+        } else {
+            load(&client, outcome.withdrawal.id().get()).await?
+        };
         Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))
     }
 
