@@ -143,6 +143,20 @@ pub async fn just_requested<C: GenericClient>(
     Ok(row.map(|row| listed(withdrawal, &row, Vec::new())))
 }
 
+/// A withdrawal as listed, its stream already folded (`withdrawal`, read by the caller): only the
+/// projection's own columns and the attempts are read, in one round trip. `None` if no such row
+/// exists.
+pub async fn folded<C: GenericClient>(
+    client: &C,
+    withdrawal: Withdrawal,
+) -> Result<Option<Listed>, tokio_postgres::Error> {
+    let (rows, attempts) = futures::try_join!(client.prepare_cached(ROWS), client.prepare_cached(ATTEMPTS))?;
+    let ids = [withdrawal.id().get()];
+    let params: [&(dyn ToSql + Sync); 1] = [&ids.as_slice()];
+    let (mut rows, attempts) = futures::try_join!(client.query(&rows, &params), client.query(&attempts, &params))?;
+    Ok(rows.pop().map(|row| listed(withdrawal, &row, attempts.iter().map(attempt).collect())))
+}
+
 /// A withdrawal with its [`ROWS`] row and attempts.
 fn listed(withdrawal: Withdrawal, row: &Row, attempts: Vec<ListedAttempt>) -> Listed {
     Listed {

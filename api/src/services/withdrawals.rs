@@ -151,17 +151,18 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
             tracing::info!(id = %outcome.withdrawal.id(), account = %parsed.account_id, "withdrawal requested");
         }
         let client = self.state.client().await?;
-        // A new withdrawal is answered from what its request wrote; an earlier one as it is now.
-        let withdrawal = if outcome.created {
-            let id = outcome.withdrawal.id();
-            listing::just_requested(&client, outcome.withdrawal)
-                .await
-                .map_err(|e| status::database("reading the withdrawal", &e))?
-                .map(withdrawal)
-                .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?
+        // A new withdrawal is answered from what its request wrote; an earlier one from its
+        // stream as the request read it, with its attempts.
+        let id = outcome.withdrawal.id();
+        let listed = if outcome.created {
+            listing::just_requested(&client, outcome.withdrawal).await
         } else {
-            load(&client, outcome.withdrawal.id().get()).await?
+            listing::folded(&client, outcome.withdrawal).await
         };
+        let withdrawal = listed
+            .map_err(|e| status::database("reading the withdrawal", &e))?
+            .map(withdrawal)
+            .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?;
         Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))
     }
 
