@@ -147,10 +147,31 @@ async fn two_serve_processes_never_allocate_a_nonce_twice_and_sigterm_leaves_a_v
     assert_eq!((code_1, code_2), (0, 0), "SIGTERM is a clean stop");
 
     assert_eq!(h.count("select count(*) from (select from_address, nonce from nonce_allocation group by 1, 2 having count(*) > 1) d").await, 0);
+    // When it fails (it did once under a loaded machine), say which attempts and what the two
+    // processes logged about them.
+    let doubled: Vec<String> =
+        h.db.client()
+            .await
+            .query(
+                "select format('withdrawal %s nonce %s: %s', withdrawal_id, nonce,
+                           string_agg(kind || ' ' || tx_hash, ', ' order by created_at))
+               from withdrawal_attempt group by withdrawal_id, nonce having count(*) > 1",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    let told = |log: &str| {
+        log.lines().filter(|l| l.contains("bump") || l.contains("underpriced")).collect::<Vec<_>>().join("\n")
+    };
     assert_eq!(
         h.count("select count(*) from withdrawal_attempt").await,
         h.count("select count(*) from nonce_allocation").await,
-        "one payload per nonce"
+        "one payload per nonce; doubled: {doubled:?}\nfirst:\n{}\nsecond:\n{}",
+        told(&log_1),
+        told(&log_2)
     );
     assert_eq!(
         h.count("select count(*) from (select withdrawal_id from withdrawal_attempt group by 1 having count(*) > 1) d")
