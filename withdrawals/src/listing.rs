@@ -129,32 +129,32 @@ pub async fn page<C: GenericClient>(client: &C, filter: &Filter) -> Result<(Vec<
     Ok((these(client, &ids).await?, more))
 }
 
-/// A withdrawal just recorded by a request, as listed: `withdrawal` is what the request wrote
-/// (nothing is signed for it yet), so only the projection's own columns are read, in one query
-/// (its events and attempts are not). `None` if no such row exists.
-pub async fn just_requested<C: GenericClient>(
-    client: &C,
-    withdrawal: Withdrawal,
-) -> Result<Option<Listed>, tokio_postgres::Error> {
-    let statement = client.prepare_cached(ROWS).await?;
-    let ids = [withdrawal.id().get()];
-    let params: [&(dyn ToSql + Sync); 1] = [&ids.as_slice()];
-    let row = client.query(&statement, &params).await?.pop();
-    Ok(row.map(|row| listed(withdrawal, &row, Vec::new())))
-}
-
-/// A withdrawal as listed, its stream already folded (`withdrawal`, read by the caller): only the
-/// projection's own columns and the attempts are read, in one round trip. `None` if no such row
-/// exists.
+/// Withdrawals as listed whose streams the caller has just folded (the answers of requests: a
+/// new one as its request wrote it, an earlier one as the request read it): only the
+/// projection's own columns and the attempts are read, for all of them in one round trip. In the
+/// order given; `None` for an id with no row.
 pub async fn folded<C: GenericClient>(
     client: &C,
-    withdrawal: Withdrawal,
-) -> Result<Option<Listed>, tokio_postgres::Error> {
+    withdrawals: Vec<Withdrawal>,
+) -> Result<Vec<Option<Listed>>, tokio_postgres::Error> {
+    let ids: Vec<i64> = withdrawals.iter().map(|w| w.id().get()).collect();
     let (rows, attempts) = futures::try_join!(client.prepare_cached(ROWS), client.prepare_cached(ATTEMPTS))?;
-    let ids = [withdrawal.id().get()];
-    let params: [&(dyn ToSql + Sync); 1] = [&ids.as_slice()];
-    let (mut rows, attempts) = futures::try_join!(client.query(&rows, &params), client.query(&attempts, &params))?;
-    Ok(rows.pop().map(|row| listed(withdrawal, &row, attempts.iter().map(attempt).collect())))
+    let params: [&(dyn ToSql + Sync); 1] = [&ids];
+    let (rows, attempts) = futures::try_join!(client.query(&rows, &params), client.query(&attempts, &params))?;
+    let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
+    for r in &attempts {
+        signed.entry(r.get(0)).or_default().push(attempt(r));
+    }
+    // One withdrawal may be the answer of several requests (a request and its resent copy).
+    let columns: HashMap<i64, &Row> = rows.iter().map(|r| (r.get(0), r)).collect();
+    Ok(withdrawals
+        .into_iter()
+        .map(|w| {
+            let id = w.id().get();
+            let row = columns.get(&id)?;
+            Some(listed(w, row, signed.get(&id).cloned().unwrap_or_default()))
+        })
+        .collect())
 }
 
 /// A withdrawal with its [`ROWS`] row and attempts.

@@ -148,22 +148,11 @@ impl pb::withdrawals_server::Withdrawals for WithdrawalsService {
         // Written with the requests of other callers, on a connection of its batch's.
         let outcome = self.state.requests.request(parsed.clone()).await.map_err(status::request)?;
         if outcome.created {
-            tracing::info!(id = %outcome.withdrawal.id(), account = %parsed.account_id, "withdrawal requested");
+            tracing::info!(id = %outcome.listed.withdrawal.id(), account = %parsed.account_id, "withdrawal requested");
         }
-        let client = self.state.client().await?;
-        // A new withdrawal is answered from what its request wrote; an earlier one from its
-        // stream as the request read it, with its attempts.
-        let id = outcome.withdrawal.id();
-        let listed = if outcome.created {
-            listing::just_requested(&client, outcome.withdrawal).await
-        } else {
-            listing::folded(&client, outcome.withdrawal).await
-        };
-        let withdrawal = listed
-            .map_err(|e| status::database("reading the withdrawal", &e))?
-            .map(withdrawal)
-            .ok_or_else(|| Status::not_found(format!("no withdrawal has id {id}")))?;
-        Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created: outcome.created }))
+        let created = outcome.created;
+        let withdrawal = withdrawal(outcome.listed);
+        Ok(Response::new(pb::RequestWithdrawalResponse { withdrawal: Some(withdrawal), created }))
     }
 
     async fn get_withdrawal(

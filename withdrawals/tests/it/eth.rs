@@ -784,9 +784,14 @@ async fn concurrent_callers_through_the_coalescer_never_overdraw_an_account_and_
         for (n, a, b) in caller.await.unwrap() {
             match (a, b) {
                 (Ok(a), Ok(b)) => {
-                    assert_eq!(a.withdrawal.id(), b.withdrawal.id(), "request {n}: one withdrawal per key");
+                    assert_eq!(
+                        a.listed.withdrawal.id(),
+                        b.listed.withdrawal.id(),
+                        "request {n}: one withdrawal per key"
+                    );
                     assert!(a.created != b.created, "request {n}: exactly one copy created it");
-                    assert_eq!(a.withdrawal.external_id().as_str(), format!("k-{n}"));
+                    assert_eq!(a.listed.withdrawal.external_id().as_str(), format!("k-{n}"));
+                    assert_eq!((a.listed.symbol.as_str(), a.listed.decimals), ("ETH", 18), "answered as listed");
                     created += 1;
                 }
                 (Err(RequestError::InsufficientFunds { .. }), Err(RequestError::InsufficientFunds { .. })) => {
