@@ -91,9 +91,13 @@ async fn listed(
     answers: Vec<Result<Requested, RequestError>>,
 ) -> Vec<Result<Answer, RequestError>> {
     let recorded: Vec<_> = answers.iter().flatten().map(|r| r.withdrawal.clone()).collect();
-    let together = match pool.get().await {
-        Ok(client) => listing::folded(&client, recorded).await.ok(),
-        Err(_) => None,
+    let together = if recorded.is_empty() {
+        Some(Vec::new()) // every request was refused: nothing to read
+    } else {
+        match pool.get().await {
+            Ok(client) => listing::folded(&client, recorded).await.ok(),
+            Err(_) => None,
+        }
     };
     let mut together = together.map(Vec::into_iter);
     let mut out = Vec::with_capacity(answers.len());

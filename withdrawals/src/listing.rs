@@ -137,14 +137,14 @@ pub async fn folded<C: GenericClient>(
     client: &C,
     withdrawals: Vec<Withdrawal>,
 ) -> Result<Vec<Option<Listed>>, tokio_postgres::Error> {
+    if withdrawals.is_empty() {
+        return Ok(Vec::new());
+    }
     let ids: Vec<i64> = withdrawals.iter().map(|w| w.id().get()).collect();
     let (rows, attempts) = futures::try_join!(client.prepare_cached(ROWS), client.prepare_cached(ATTEMPTS))?;
     let params: [&(dyn ToSql + Sync); 1] = [&ids];
     let (rows, attempts) = futures::try_join!(client.query(&rows, &params), client.query(&attempts, &params))?;
-    let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
-    for r in &attempts {
-        signed.entry(r.get(0)).or_default().push(attempt(r));
-    }
+    let signed = by_withdrawal(&attempts);
     // One withdrawal may be the answer of several requests (a request and its resent copy).
     let columns: HashMap<i64, &Row> = rows.iter().map(|r| (r.get(0), r)).collect();
     Ok(withdrawals
@@ -190,10 +190,7 @@ async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>,
     for r in &events {
         streams.entry(r.get(0)).or_default().push(sql::event_from_row(r.get(1), &r.get(2)));
     }
-    let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
-    for r in &attempts {
-        signed.entry(r.get(0)).or_default().push(attempt(r));
-    }
+    let mut signed = by_withdrawal(&attempts);
     let mut columns: HashMap<i64, &Row> = rows.iter().map(|r| (r.get(0), r)).collect();
     Ok(ids
         .iter()
@@ -204,6 +201,15 @@ async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>,
             Some(listed(withdrawal, row, signed.remove(id).unwrap_or_default()))
         })
         .collect())
+}
+
+/// [`ATTEMPTS`] rows by withdrawal id, oldest first.
+fn by_withdrawal(rows: &[Row]) -> HashMap<i64, Vec<ListedAttempt>> {
+    let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
+    for r in rows {
+        signed.entry(r.get(0)).or_default().push(attempt(r));
+    }
+    signed
 }
 
 /// An [`ATTEMPTS`] row.
