@@ -278,6 +278,11 @@ const CHECK: &str = "select withdrawal_request_check($1, $2, $3, $4)";
 const INSERT_EVENT: &str =
     "insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values ($1, $2, $3, $4)";
 
+/// The first events of new streams, in one statement ([`INSERT_EVENT`]'s columns as arrays).
+const INSERT_EVENTS: &str = "
+insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+select * from unnest($1::bigint[], $2::int[], $3::text[], $4::jsonb[])";
+
 /// How one try of a request ended.
 enum Tried {
     /// Recorded, returned or refused as a conflict.
@@ -317,26 +322,43 @@ struct Statements {
     lock: tokio_postgres::Statement,
     under_lock: tokio_postgres::Statement,
     insert_event: tokio_postgres::Statement,
+    insert_events: tokio_postgres::Statement,
     projection: tokio_postgres::Statement,
+    insert_new: tokio_postgres::Statement,
     hold: tokio_postgres::Statement,
 }
 
 impl Statements {
     async fn prepare(client: &deadpool_postgres::Object) -> Result<Statements, tokio_postgres::Error> {
-        let (existing, asset_limits, ours, lanes, next_ids, check, lock, under_lock, insert_event, projection, hold) =
-            futures::try_join!(
-                client.prepare_cached(EXISTING),
-                client.prepare_cached(ASSET_LIMITS),
-                client.prepare_cached(OURS),
-                client.prepare_cached(LANES),
-                client.prepare_cached(NEXT_IDS),
-                client.prepare_cached(CHECK),
-                client.prepare_cached(LOCK),
-                client.prepare_cached(UNDER_LOCK),
-                client.prepare_cached(INSERT_EVENT),
-                client.prepare_cached(sql::UPSERT),
-                client.prepare_cached(ledger::WRITE),
-            )?;
+        let (
+            existing,
+            asset_limits,
+            ours,
+            lanes,
+            next_ids,
+            check,
+            lock,
+            under_lock,
+            insert_event,
+            insert_events,
+            projection,
+            insert_new,
+            hold,
+        ) = futures::try_join!(
+            client.prepare_cached(EXISTING),
+            client.prepare_cached(ASSET_LIMITS),
+            client.prepare_cached(OURS),
+            client.prepare_cached(LANES),
+            client.prepare_cached(NEXT_IDS),
+            client.prepare_cached(CHECK),
+            client.prepare_cached(LOCK),
+            client.prepare_cached(UNDER_LOCK),
+            client.prepare_cached(INSERT_EVENT),
+            client.prepare_cached(INSERT_EVENTS),
+            client.prepare_cached(sql::UPSERT),
+            client.prepare_cached(sql::INSERT_NEW),
+            client.prepare_cached(ledger::WRITE),
+        )?;
         Ok(Statements {
             existing,
             asset_limits,
@@ -347,7 +369,9 @@ impl Statements {
             lock,
             under_lock,
             insert_event,
+            insert_events,
             projection,
+            insert_new,
             hold,
         })
     }
@@ -490,7 +514,7 @@ struct Composed {
     first_payload: serde_json::Value,
     awaiting_payload: Option<serde_json::Value>,
     projected: sql::ProjectionParams,
-    held: ledger::Columns,
+    holds: Vec<ledger::Transfer>,
     amount: U256,
 }
 
@@ -542,15 +566,21 @@ impl Composed {
             first_payload: requested.payload(),
             awaiting_payload: awaiting.as_ref().map(WithdrawalEvent::payload),
             projected: sql::projection_params(&withdrawal),
-            held: ledger::Columns::of(&sql::entailed(&withdrawal, &requested)),
+            holds: sql::entailed(&withdrawal, &requested),
             amount: request.amount.units(),
             withdrawal,
         })
     }
 
     /// Its statements in order: the checks under the account lock when `checked` (the one-trip
-    /// path), the events, the projection (its state after them) and the hold.
-    fn statements<'a>(&'a self, s: &'a Statements, checked: bool) -> Vec<(&'a tokio_postgres::Statement, Vec<P<'a>>)> {
+    /// path), the events, the projection (its state after them) and the hold (`held`, its
+    /// [`Composed::holds`] as columns).
+    fn statements<'a>(
+        &'a self,
+        s: &'a Statements,
+        checked: bool,
+        held: &'a ledger::Columns,
+    ) -> Vec<(&'a tokio_postgres::Statement, Vec<P<'a>>)> {
         let mut out: Vec<(&tokio_postgres::Statement, Vec<P<'a>>)> = Vec::with_capacity(5);
         if checked {
             let [account_id, external_id, asset] = self.projected.request_key();
@@ -561,7 +591,7 @@ impl Composed {
             out.push((&s.insert_event, vec![&self.id, &2i32, &"awaiting_approval", payload]));
         }
         out.push((&s.projection, self.projected.refs().to_vec()));
-        out.push((&s.hold, self.held.params().to_vec()));
+        out.push((&s.hold, held.params().to_vec()));
         out
     }
 
@@ -592,7 +622,8 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
     // under the lock: BEGIN, the lock and that read first, then the writes with COMMIT.
     if policy.daily_limit.is_none() {
         let composed = Composed::new(request, &unlocked, &policy, unlocked.id, U256::ZERO)?;
-        let params = composed.statements(&statements, true);
+        let held = ledger::Columns::of(&composed.holds);
+        let params = composed.statements(&statements, true, &held);
         let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
         if let Err(e) = custodian_store::Pipelined::once(client, &writes).await {
             return match refusal(&e, request) {
@@ -637,7 +668,8 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
             return Err(refused);
         }
     };
-    let params = composed.statements(&statements, false);
+    let held = ledger::Columns::of(&composed.holds);
+    let params = composed.statements(&statements, false, &held);
     let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
     tx.commit_with(&writes).await?;
     composed.counted();
@@ -649,9 +681,11 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
 ///
 /// One round trip reads what every request needs before a lock; those it answers alone (an
 /// idempotent hit, a refusal) are answered. The rest without a daily limit go in one more round
-/// trip: `BEGIN`, for each in account order the checks under its account's lock and its writes,
-/// `COMMIT` — so the accounts' locks are taken in one order by every batch, and one commit makes
-/// them all durable. If any of them is refused under its lock (a short balance, a duplicate that
+/// trip: `BEGIN`, for each in account order the checks under its account's lock (its amount plus
+/// what the batch holds before it of the same account and asset), then each table's rows for the
+/// whole batch in one statement, `COMMIT` — so the accounts' locks are taken in one order by every
+/// batch, a table's CHECK expressions are prepared once per batch rather than once per request,
+/// and one commit makes them all durable. If any of them is refused under its lock (a short balance, a duplicate that
 /// committed meanwhile) the transaction writes nothing and each is then recorded on its own, as
 /// are requests with a daily limit and a batch holding one external id twice.
 ///
@@ -731,7 +765,41 @@ async fn batch(
     if together.len() < 2 {
         return Ok(outcomes); // one is cheaper on its own path
     }
-    let params: Vec<_> = together.iter().flat_map(|(_, c)| c.statements(&statements, true)).collect();
+    // Every check first, in that order, each against its amount plus what the batch holds before
+    // it of the same account and asset (the holds are written after all the checks, so a check
+    // reads the balance from before the batch); then each table written once for the whole
+    // batch, as a table's CHECK expressions are prepared once per statement, not per row.
+    let mut held_before: std::collections::HashMap<(i64, String), U256> = Default::default();
+    let covering: Vec<U256> = together
+        .iter()
+        .map(|(_, c)| {
+            let total = held_before.entry((c.withdrawal.account_id().get(), c.withdrawal.asset().key())).or_default();
+            // Saturated, it cannot be covered: the batch is refused and each request tried alone.
+            *total = total.saturating_add(c.amount);
+            *total
+        })
+        .collect();
+    let mut events = NewEvents::default();
+    let mut projections = sql::NewProjections::default();
+    for (_, c) in &together {
+        events.push(c.id, 1, "requested", &c.first_payload);
+        if let Some(payload) = &c.awaiting_payload {
+            events.push(c.id, 2, "awaiting_approval", payload);
+        }
+        projections.push(&c.withdrawal);
+    }
+    let held = ledger::Columns::of(together.iter().flat_map(|(_, c)| c.holds.iter()));
+    let mut params: Vec<(&tokio_postgres::Statement, Vec<P<'_>>)> = together
+        .iter()
+        .zip(&covering)
+        .map(|((_, c), amount)| {
+            let [account_id, external_id, asset] = c.projected.request_key();
+            (&statements.check, vec![account_id, external_id, asset, amount as P<'_>])
+        })
+        .collect();
+    params.push((&statements.insert_events, events.params().to_vec()));
+    params.push((&statements.insert_new, projections.params().to_vec()));
+    params.push((&statements.hold, held.params().to_vec()));
     let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
     custodian_store::Pipelined::once(client, &writes).await?;
     for (n, composed) in together {
@@ -739,6 +807,28 @@ async fn batch(
         outcomes[n] = Some(Ok(Requested { withdrawal: composed.withdrawal, created: true }));
     }
     Ok(outcomes)
+}
+
+/// New streams' first events as [`INSERT_EVENTS`]'s columns.
+#[derive(Default)]
+struct NewEvents {
+    ids: Vec<i64>,
+    seqs: Vec<i32>,
+    types: Vec<&'static str>,
+    payloads: Vec<serde_json::Value>,
+}
+
+impl NewEvents {
+    fn push(&mut self, id: i64, seq: i32, event_type: &'static str, payload: &serde_json::Value) {
+        self.ids.push(id);
+        self.seqs.push(seq);
+        self.types.push(event_type);
+        self.payloads.push(payload.clone());
+    }
+
+    fn params(&self) -> [P<'_>; 4] {
+        [&self.ids, &self.seqs, &self.types, &self.payloads]
+    }
 }
 
 /// An internal withdrawal between two hot wallets (DESIGN §7.8).

@@ -105,6 +105,66 @@ impl ProjectionParams {
     }
 }
 
+/// The projection rows of new streams, in one statement: a table's CHECK expressions are
+/// prepared once per statement, not per row. Parameters as [`NewProjections::params`] orders them.
+pub(crate) const INSERT_NEW: &str = "
+insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, last_seq, requested_by)
+select n.id, n.account_id, n.external_id, case n.asset when 'BTC' then 'btc' else 'eth' end, n.asset, n.destination,
+       n.amount, n.state, n.lane, n.last_seq, nullif(n.requested_by, '')
+  from unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::numeric[], $7::text[], $8::text[],
+              $9::int[], $10::text[])
+       as n (id, account_id, external_id, asset, destination, amount, state, lane, last_seq, requested_by)";
+
+/// New streams' projection rows as [`INSERT_NEW`]'s columns: what a stream that has only been
+/// requested (and perhaps sent for approval) projects; nothing signed, nothing on chain.
+#[derive(Debug, Default)]
+pub(crate) struct NewProjections {
+    ids: Vec<i64>,
+    account_ids: Vec<i64>,
+    external_ids: Vec<String>,
+    assets: Vec<String>,
+    destinations: Vec<String>,
+    amounts: Vec<U256>,
+    states: Vec<&'static str>,
+    lanes: Vec<String>,
+    last_seqs: Vec<i32>,
+    requested_by: Vec<String>,
+}
+
+impl NewProjections {
+    /// Adds `w`'s row.
+    pub(crate) fn push(&mut self, w: &Withdrawal) {
+        let p = projection_params(w);
+        debug_assert!(p.from_address.is_none() && p.nonce.is_none() && p.tx_hash.is_none() && !p.stuck_at_cap);
+        self.ids.push(p.id);
+        self.account_ids.push(p.account_id);
+        self.external_ids.push(p.external_id);
+        self.assets.push(p.asset);
+        self.destinations.push(p.destination);
+        self.amounts.push(p.amount);
+        self.states.push(p.state);
+        self.lanes.push(p.lane);
+        self.last_seqs.push(p.last_seq);
+        self.requested_by.push(p.requested_by);
+    }
+
+    /// In [`INSERT_NEW`]'s order.
+    pub(crate) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 10] {
+        [
+            &self.ids,
+            &self.account_ids,
+            &self.external_ids,
+            &self.assets,
+            &self.destinations,
+            &self.amounts,
+            &self.states,
+            &self.lanes,
+            &self.last_seqs,
+            &self.requested_by,
+        ]
+    }
+}
+
 /// The projection row of `w`, a fold of its stream.
 pub(crate) fn projection_params(w: &Withdrawal) -> ProjectionParams {
     ProjectionParams {

@@ -80,3 +80,106 @@ async fn the_reader_role_reads_views_and_nothing_else() {
     let message = refused(&client, "insert into account (external_ref) values ('x')").await;
     assert!(message.contains("permission denied"), "{message}");
 }
+
+/// PostgreSQL prepares a table's CHECK expressions again for every statement that writes it, and
+/// an SQL-language function called there is inlined, that is read and planned, each time: on the
+/// tables written once or more per withdrawal or deposit, that planning was most of what a
+/// single-row write cost (#14). No CHECK on them calls an SQL-language function.
+#[tokio::test]
+async fn the_checks_of_tables_written_per_request_call_no_function_planned_per_statement() {
+    let db = TestDb::new().await;
+    let client = db.owner_client().await;
+    let planned: Vec<String> = client
+        .query(
+            "select distinct c.conrelid::regclass::text || ' ' || c.conname || ' calls ' || p.proname
+               from pg_constraint c
+               join pg_depend d on d.classid = 'pg_constraint'::regclass and d.objid = c.oid
+                               and d.refclassid = 'pg_proc'::regclass
+               join pg_proc p on p.oid = d.refobjid
+               join pg_language l on l.oid = p.prolang
+              where c.contype = 'c' and l.lanname = 'sql'
+                and c.conrelid::regclass::text = any($1)
+              order by 1",
+            &[&vec![
+                "withdrawal",
+                "withdrawal_event",
+                "withdrawal_attempt",
+                "nonce_allocation",
+                "ledger_transfer",
+                "ledger_posting",
+                "user_balance",
+                "deposit_event",
+                "chain_block",
+                "output_spend",
+                "fact_seal",
+                "btc_attempt",
+                "utxo_reservation",
+            ]],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(planned.is_empty(), "CHECKs inlining SQL functions on hot tables: {planned:?}");
+    // And the shared format checks still refuse what they refused.
+    let row = client
+        .query_one(
+            "select is_valid_address('eth', '0xABC'), is_valid_hash('btc', repeat('a', 64)), is_u256(-1),
+                    is_valid_address('eth', null) is null",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, bool>(0), row.get::<_, bool>(1), row.get::<_, bool>(2), row.get::<_, bool>(3)),
+        (false, true, false, true)
+    );
+}
+
+/// `deposit_status` reads each deposit key's postings through ledger_posting's transfer index,
+/// whatever the statistics: on a ledger grown since it was last analysed (here: never), a join
+/// planned for a small table scanned every posting once per deposit, and the posting pass after
+/// every block grew with every withdrawal ever paid (#14).
+#[tokio::test]
+async fn deposit_status_reads_a_keys_postings_by_index_on_an_unanalysed_ledger() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let account: i64 =
+        client.query_one("insert into account (external_ref) values ('plans') returning id", &[]).await.unwrap().get(0);
+    for n in 0..40 {
+        custodian_testkit::fixtures::credit_eth(&client, account, n, 1_000).await;
+    }
+    // A ledger much larger than its (absent) statistics say: 4,000 transfers under no deposit key.
+    db.owner_client()
+        .await
+        .batch_execute(
+            "begin;
+             insert into ledger_transfer (idempotency_key, kind, reference)
+                  select 'plans:' || n, 'adjustment', '{}'::jsonb from generate_series(1, 4000) n;
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount)
+                  select t.id, a.account, 'ETH', a.direction, 1
+                    from ledger_transfer t
+                   cross join (values ('custody', 'debit'), ('treasury', 'credit')) a (account, direction)
+                   where t.idempotency_key like 'plans:%';
+             commit;",
+        )
+        .await
+        .unwrap();
+    let plan: String = client
+        .query("explain select * from deposit_status where chain = 'eth' and confirmed", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(!plan.contains("Seq Scan on ledger_posting"), "every posting read per deposit:\n{plan}");
+    assert!(plan.contains("ledger_posting_transfer"), "postings not read by their transfer:\n{plan}");
+    let credited: i64 = client
+        .query_one("select count(*) from deposit_status where chain = 'eth' and custody_posted = 1000", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(credited, 40, "each deposit's postings still summed");
+}
