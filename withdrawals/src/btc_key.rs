@@ -63,9 +63,24 @@ pub enum BtcKeyError {
 /// A BTC hot wallet's account key.
 pub struct BtcHotKey {
     account: Xpriv,
+    /// The account's public key, derived once (every address is derived from it).
+    xpub: Xpub,
+    /// `…/0/0`, derived once: most coins a lane spends are its funding address's.
+    funding: ChildKey,
     network: BtcNetwork,
     secp: Secp256k1<All>,
 }
+
+/// One derived P2WPKH key: its private key (erased by its owner), public key and script.
+struct ChildKey {
+    private: bitcoin::secp256k1::SecretKey,
+    public: CompressedPublicKey,
+    script: ScriptBuf,
+}
+
+/// A transaction's inputs from this many on are signed on two threads: a signature costs tens of
+/// microseconds, a thread about as much as one.
+const PARALLEL_SIGNING_FROM: usize = 8;
 
 impl BtcHotKey {
     /// Reads the key from `path`, which only its owner may read.
@@ -111,18 +126,21 @@ impl BtcHotKey {
         if account.depth != ACCOUNT_DEPTH || !account.child_number.is_hardened() {
             return Err(BtcKeyError::NotAccountLevel { depth: account.depth, child: account.child_number.to_string() });
         }
-        Ok(BtcHotKey { account, network, secp: Secp256k1::new() })
+        let secp = Secp256k1::new();
+        let xpub = Xpub::from_priv(&secp, &account);
+        let funding = derive(&secp, &account, KeyPath::Funding);
+        Ok(BtcHotKey { account, xpub, funding, network, secp })
     }
 
     /// The account's extended public key, as the database keeps it (`xpub`/`tpub` form).
     pub fn account_xpub(&self) -> Xpub {
-        Xpub::from_priv(&self.secp, &self.account)
+        self.xpub
     }
 
     /// The P2WPKH address at `…/{chain}/{index}` (chain 0: receive, 1: change).
     fn address(&self, chain: u32, index: u32) -> Address {
-        let xpub = self.account_xpub();
-        let child = xpub
+        let child = self
+            .xpub
             .derive_pub(&self.secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
             .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
         Address::p2wpkh(&CompressedPublicKey(child.public_key), self.network.to_bitcoin())
@@ -145,44 +163,74 @@ impl BtcHotKey {
     }
 
     /// Signs every input of `tx`, each spending a P2WPKH coin of this account worth `value` at
-    /// `path` (BIP-143, `SIGHASH_ALL`). The derived private keys are erased after use.
+    /// `path` (BIP-143, `SIGHASH_ALL`); a transaction of [`PARALLEL_SIGNING_FROM`] inputs or more
+    /// on two threads. Keys other than the funding key are derived for this transaction and
+    /// erased after use.
     pub fn sign(&self, tx: &mut Transaction, prevouts: &[(KeyPath, bitcoin::Amount)]) {
         assert_eq!(tx.input.len(), prevouts.len(), "BUG: one prevout per input");
-        let mut witnesses = Vec::with_capacity(prevouts.len());
-        // Each key derived once per transaction (a batch's coins mostly share the funding key).
-        let mut keys: Vec<(KeyPath, Xpriv, CompressedPublicKey, ScriptBuf)> = Vec::new();
-        {
-            let mut cache = SighashCache::new(&*tx);
-            for (input, (path, value)) in prevouts.iter().enumerate() {
-                if !keys.iter().any(|(p, ..)| p == path) {
-                    let (chain, index) = path.steps();
-                    let child = self
-                        .account
-                        .derive_priv(&self.secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
-                        .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
-                    let public = CompressedPublicKey(child.private_key.public_key(&self.secp));
-                    let script = ScriptBuf::new_p2wpkh(&public.wpubkey_hash());
-                    keys.push((*path, child, public, script));
-                }
-                let (_, child, public, script) = keys.iter().find(|(p, ..)| p == path).expect("BUG: derived above");
-                let sighash = cache
-                    .p2wpkh_signature_hash(input, script, *value, EcdsaSighashType::All)
-                    .expect("BUG: every input has a prevout and the script is P2WPKH");
-                let message = Message::from_digest(sighash.to_byte_array());
-                let signature = bitcoin::ecdsa::Signature {
-                    signature: self.secp.sign_ecdsa(&message, &child.private_key),
-                    sighash_type: EcdsaSighashType::All,
-                };
-                witnesses.push(Witness::p2wpkh(&signature, &public.0));
+        // Each change key derived once per transaction.
+        let mut change: Vec<(KeyPath, ChildKey)> = Vec::new();
+        for (path, _) in prevouts {
+            if *path != KeyPath::Funding && !change.iter().any(|(p, _)| p == path) {
+                change.push((*path, derive(&self.secp, &self.account, *path)));
             }
         }
-        for (_, mut child, ..) in keys {
-            child.private_key.non_secure_erase();
+        let key_of = |path: &KeyPath| -> &ChildKey {
+            match path {
+                KeyPath::Funding => &self.funding,
+                _ => &change.iter().find(|(p, _)| p == path).expect("BUG: derived above").1,
+            }
+        };
+        let mut cache = SighashCache::new(&*tx);
+        let messages: Vec<(Message, &ChildKey)> = prevouts
+            .iter()
+            .enumerate()
+            .map(|(input, (path, value))| {
+                let key = key_of(path);
+                let sighash = cache
+                    .p2wpkh_signature_hash(input, &key.script, *value, EcdsaSighashType::All)
+                    .expect("BUG: every input has a prevout and the script is P2WPKH");
+                (Message::from_digest(sighash.to_byte_array()), key)
+            })
+            .collect();
+        let witness = |(message, key): &(Message, &ChildKey)| {
+            let signature = bitcoin::ecdsa::Signature {
+                signature: self.secp.sign_ecdsa(message, &key.private),
+                sighash_type: EcdsaSighashType::All,
+            };
+            Witness::p2wpkh(&signature, &key.public.0)
+        };
+        let witnesses: Vec<Witness> = if messages.len() < PARALLEL_SIGNING_FROM {
+            messages.iter().map(witness).collect()
+        } else {
+            let (first, second) = messages.split_at(messages.len() / 2);
+            std::thread::scope(|scope| {
+                let other = scope.spawn(|| second.iter().map(witness).collect::<Vec<_>>());
+                let mut witnesses: Vec<Witness> = first.iter().map(witness).collect();
+                witnesses.extend(other.join().expect("BUG: a signing thread panicked"));
+                witnesses
+            })
+        };
+        drop(messages);
+        for (_, mut key) in change {
+            key.private.non_secure_erase();
         }
         for (input, witness) in tx.input.iter_mut().zip(witnesses) {
             input.witness = witness;
         }
     }
+}
+
+/// The P2WPKH key at `path` below `account`.
+fn derive(secp: &Secp256k1<All>, account: &Xpriv, path: KeyPath) -> ChildKey {
+    let (chain, index) = path.steps();
+    let mut child = account
+        .derive_priv(secp, &[ChildNumber::Normal { index: chain }, ChildNumber::Normal { index }])
+        .expect("BUG: normal derivation of a valid key fails with probability 2^-127");
+    let private = child.private_key;
+    child.private_key.non_secure_erase();
+    let public = CompressedPublicKey(private.public_key(secp));
+    ChildKey { private, public, script: ScriptBuf::new_p2wpkh(&public.wpubkey_hash()) }
 }
 
 /// Which of a hot wallet's addresses a coin pays: its funding address `…/0/0` or change `…/1/i`.
@@ -212,6 +260,7 @@ impl fmt::Debug for BtcHotKey {
 impl Drop for BtcHotKey {
     fn drop(&mut self) {
         self.account.private_key.non_secure_erase();
+        self.funding.private.non_secure_erase();
     }
 }
 
