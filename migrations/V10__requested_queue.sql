@@ -1,9 +1,10 @@
--- A BTC lane's queue: its requested withdrawals, oldest first. The allocator takes the first
--- `batch_max` of them under the lane's lock (`withdrawals/src/btc/mod.rs`).
+-- A lane's queue: its requested withdrawals, oldest first. The BTC allocator takes the first
+-- `batch_max` of them under the lane's lock (`withdrawals/src/btc/mod.rs`); the ETH worker reads a
+-- pass's worth of them before it prices and locks (`withdrawals/src/sql.rs`, `IN_STATE`).
 --
 -- Ordered by id, that read could be answered by walking withdrawal_pkey and filtering on the
 -- state, and whenever the statistics said requested withdrawals were common (taken during a
--- burst, say) the generic plan did exactly that: it read past every withdrawal the lane had ever
+-- burst, say) the plan did exactly that: it read past every withdrawal the lane had ever
 -- signed, inside the lane lock, and grew with the history (the BTC allocation bench removed 2,142
 -- rows by filter to find one batch of 50: 1.0 of the lock's 1.6 ms).
 --

@@ -406,6 +406,12 @@ pub async fn insert_attempt(
     Ok(())
 }
 
+/// Ids of the ETH lane `$1`'s withdrawals in state `$2`, oldest first, at most `$3`. Planned with
+/// the state's value, so the requested ones are read in the order of the queue's index
+/// (`withdrawal_requested`, `migrations/V10__requested_queue.sql`), whatever the statistics say.
+pub(crate) const IN_STATE: &str = "
+select id from withdrawal where chain = 'eth' and lane = $1 and state = $2 order by requested_at, id limit $3";
+
 /// Ids of the lane's withdrawals in `state`, oldest first; at most `limit` of them (`None`: all),
 /// so a backlog is read a pass's worth at a time, not whole at every pass.
 pub async fn in_state<C: GenericClient>(
@@ -415,12 +421,7 @@ pub async fn in_state<C: GenericClient>(
     limit: Option<usize>,
 ) -> Result<Vec<i64>, tokio_postgres::Error> {
     let limit = limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX));
-    let rows = client
-        .query(
-            "select id from withdrawal where chain = 'eth' and lane = $1 and state = $2 order by id limit $3",
-            &[&lane, &state.as_str(), &limit],
-        )
-        .await?;
+    let rows = client.query(IN_STATE, &[&lane, &state.as_str(), &limit]).await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
@@ -477,4 +478,49 @@ pub async fn pause_lane_on<C: GenericClient>(
         tracing::error!(chain, lane, reason, "ALERT: lane paused");
     }
     Ok(paused > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use custodian_testkit::TestDb;
+
+    /// A lane's requested withdrawals are read from the queue's index whatever the statistics say:
+    /// ordered by id, on statistics taken while most of a long history was still requested, the
+    /// plan walked withdrawal_pkey past every withdrawal the lane had ever signed.
+    #[tokio::test]
+    async fn the_requested_are_read_by_the_queue_index_after_stale_statistics() {
+        let db = TestDb::new().await;
+        let owner = db.owner_client().await;
+        let (lane, wallet) = ("e0", "0x00000000000000000000000000000000000000e0");
+        let destination = "0x00000000000000000000000000000000000000d0";
+        // 2,200 withdrawals analysed while 2,000 of them were requested, then 2,150 signed (one
+        // request transaction: one requested_at, the queue in id order).
+        owner
+            .batch_execute(&format!(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', '{wallet}', '{lane}', 0);
+                 insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq)
+                 select n, 'q' || n, 'eth', 'ETH', '{destination}', 1000,
+                        case when n <= 200 then 'signed' else 'requested' end, '{lane}', 1
+                   from generate_series(1, 2200) n;
+                 analyze withdrawal;
+                 update withdrawal set state = 'signed' where id <= 2150;"
+            ))
+            .await
+            .unwrap();
+        let client = db.pool.get().await.unwrap();
+        let limit = Some(50i64);
+        let plan: String = client
+            .query(&format!("explain {IN_STATE}"), &[&lane, &"requested", &limit])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(plan.contains("using withdrawal_requested"), "not read from the queue index:\n{plan}");
+        assert!(!plan.contains("using withdrawal_pkey"), "read in id order, filtered:\n{plan}");
+        let ids = in_state(&client, lane, WithdrawalState::Requested, Some(50)).await.unwrap();
+        assert_eq!(ids, (2151..=2200).collect::<Vec<i64>>(), "the 50 oldest requested, in order");
+    }
 }
