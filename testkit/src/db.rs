@@ -26,6 +26,11 @@ where
     rows.iter().map(|r| r.get(0)).collect()
 }
 
+/// The plan PostgreSQL chooses for `sql` (`explain`, without running it), one line per plan line.
+pub async fn plan(client: &tokio_postgres::Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> String {
+    column::<String>(client, &format!("explain {sql}"), params).await.join("\n")
+}
+
 /// A migrated database of its own, dropped when the value is dropped.
 ///
 /// It is owned by `custodian_owner`, which migrated it; [`TestDb::url`] and [`TestDb::pool`]

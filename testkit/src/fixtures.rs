@@ -35,6 +35,30 @@ pub async fn posted_balance(
         .get(0)
 }
 
+/// A lane's queue behind a long history, with statistics that still call it long: 2,200
+/// withdrawals of `lane` (`chain`, `asset`, paying `amount` to `destination`) written by one
+/// request transaction (one `requested_at`, so the queue is in id order), analysed while 2,000 of
+/// them were requested, then all but the last 50 (ids 2,151–2,200) signed. Written as the owner.
+pub async fn stale_requested_queue(
+    owner: &tokio_postgres::Client,
+    (chain, asset): (&str, &str),
+    lane: &str,
+    destination: &str,
+    amount: u64,
+) {
+    owner
+        .batch_execute(&format!(
+            "insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq)
+             select n, 'q' || n, '{chain}', '{asset}', '{destination}', {amount},
+                    case when n <= 200 then 'signed' else 'requested' end, '{lane}', 1
+               from generate_series(1, 2200) n;
+             analyze withdrawal;
+             update withdrawal set state = 'signed' where id <= 2150;"
+        ))
+        .await
+        .expect("writing a stale requested queue");
+}
+
 /// Credits `account` with `wei` of ETH by a deposit fact (block, observation, owned address) and
 /// its posted transfer, exactly as the posting pass would, so `replay --verify` traces it. `n`
 /// keeps several credits of one account apart.

@@ -483,6 +483,8 @@ pub async fn pause_lane_on<C: GenericClient>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use custodian_testkit::db::plan;
+    use custodian_testkit::fixtures::stale_requested_queue;
     use custodian_testkit::TestDb;
 
     /// A lane's requested withdrawals are read from the queue's index whatever the statistics say:
@@ -493,31 +495,16 @@ mod tests {
         let db = TestDb::new().await;
         let owner = db.owner_client().await;
         let (lane, wallet) = ("e0", "0x00000000000000000000000000000000000000e0");
-        let destination = "0x00000000000000000000000000000000000000d0";
-        // 2,200 withdrawals analysed while 2,000 of them were requested, then 2,150 signed (one
-        // request transaction: one requested_at, the queue in id order).
         owner
-            .batch_execute(&format!(
-                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', '{wallet}', '{lane}', 0);
-                 insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq)
-                 select n, 'q' || n, 'eth', 'ETH', '{destination}', 1000,
-                        case when n <= 200 then 'signed' else 'requested' end, '{lane}', 1
-                   from generate_series(1, 2200) n;
-                 analyze withdrawal;
-                 update withdrawal set state = 'signed' where id <= 2150;"
-            ))
+            .execute(
+                "insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, $2, 0)",
+                &[&wallet, &lane],
+            )
             .await
             .unwrap();
+        stale_requested_queue(&owner, ("eth", "ETH"), lane, "0x00000000000000000000000000000000000000d0", 1_000).await;
         let client = db.pool.get().await.unwrap();
-        let limit = Some(50i64);
-        let plan: String = client
-            .query(&format!("explain {IN_STATE}"), &[&lane, &"requested", &limit])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let plan = plan(&client, IN_STATE, &[&lane, &"requested", &Some(50i64)]).await;
         assert!(plan.contains("using withdrawal_requested"), "not read from the queue index:\n{plan}");
         assert!(!plan.contains("using withdrawal_pkey"), "read in id order, filtered:\n{plan}");
         let ids = in_state(&client, lane, WithdrawalState::Requested, Some(50)).await.unwrap();

@@ -1,6 +1,7 @@
 //! Migrations are idempotent and the finance role sees only the views.
 
 use custodian_store::migrate;
+use custodian_testkit::db::plan;
 use custodian_testkit::TestDb;
 
 use crate::refused;
@@ -166,14 +167,7 @@ async fn deposit_status_reads_a_keys_postings_by_index_on_an_unanalysed_ledger()
         )
         .await
         .unwrap();
-    let plan: String = client
-        .query("explain select * from deposit_status where chain = 'eth' and confirmed", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<_, String>(0))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let plan = plan(&client, "select * from deposit_status where chain = 'eth' and confirmed", &[]).await;
     assert!(!plan.contains("Seq Scan on ledger_posting"), "every posting read per deposit:\n{plan}");
     assert!(plan.contains("ledger_posting_transfer"), "postings not read by their transfer:\n{plan}");
     let credited: i64 = client
@@ -194,12 +188,6 @@ async fn pooled_connections_run_without_jit() {
     let jit: String = client.query_one("show jit", &[]).await.unwrap().get(0);
     assert_eq!(jit, "off");
     // Estimated above every JIT threshold: with JIT on, its plan says how many functions it compiles.
-    let plan: Vec<String> = client
-        .query("explain select count(*) from generate_series(1, 10000000) a where a % 7 = 3", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert!(!plan.iter().any(|line| line.starts_with("JIT")), "{}", plan.join("\n"));
+    let plan = plan(&client, "select count(*) from generate_series(1, 10000000) a where a % 7 = 3", &[]).await;
+    assert!(!plan.lines().any(|line| line.starts_with("JIT")), "{plan}");
 }

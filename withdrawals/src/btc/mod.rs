@@ -1040,6 +1040,8 @@ impl BtcWorker {
 mod tests {
     use super::*;
     use bitcoin::bip32::{DerivationPath, Xpriv};
+    use custodian_testkit::db::plan;
+    use custodian_testkit::fixtures::stale_requested_queue;
     use custodian_testkit::TestDb;
     use std::str::FromStr;
 
@@ -1057,33 +1059,13 @@ mod tests {
         let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
         hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
         let destination = key.change_address(7).to_string();
-        let owner = db.owner_client().await;
-        // 2,200 withdrawals analysed while 2,000 of them were requested, then 2,150 signed (one
-        // request transaction: one requested_at, the queue in id order).
-        owner
-            .batch_execute(&format!(
-                "insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq)
-                 select n, 'q' || n, 'btc', 'BTC', '{destination}', 20000,
-                        case when n <= 200 then 'signed' else 'requested' end, 'b0', 1
-                   from generate_series(1, 2200) n;
-                 analyze withdrawal;
-                 update withdrawal set state = 'signed' where id <= 2150;"
-            ))
-            .await
-            .unwrap();
+        stale_requested_queue(&db.owner_client().await, ("btc", "BTC"), "b0", &destination, 20_000).await;
         let client = db.client().await;
+        // The plan the worker runs: generic, as `Pipelined` forces it.
         client.batch_execute("set plan_cache_mode = force_generic_plan").await.unwrap();
         let lock = client.prepare(LOCK_LANE_AND_WITHDRAWALS).await.unwrap();
-        // The plan the worker runs: generic, as `Pipelined` forces it.
         client.batch_execute(&format!("prepare lock_lane as {LOCK_LANE_AND_WITHDRAWALS}")).await.unwrap();
-        let plan: String = client
-            .query("explain execute lock_lane('b0', 50, 0)", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let plan = plan(&client, "execute lock_lane('b0', 50, 0)", &[]).await;
         assert!(plan.contains("using withdrawal_requested"), "the batch not read from the queue index:\n{plan}");
         assert!(!plan.contains("using withdrawal_pkey on withdrawal"), "the batch read in id order, filtered:\n{plan}");
         let ids: Vec<i64> =
