@@ -69,13 +69,40 @@ impl Pipelined {
     /// made by the server (a statement that raises to refuse): every answer is awaited, so after
     /// an error the connection is known to be outside a transaction and goes back to the pool.
     pub async fn once(client: Object, statements: &[(&Statement, Params<'_>)]) -> Result<Vec<u64>, Error> {
+        Ok(Pipelined::once_inner(client, statements, None).await?.0)
+    }
+
+    /// [`Pipelined::once`], with `read` run after the writes and before `COMMIT`, in the same
+    /// round trip: what the transaction wrote as it will be committed (its timestamp, say).
+    /// Returns the rows each write affected and `read`'s rows.
+    pub async fn once_reading(
+        client: Object,
+        statements: &[(&Statement, Params<'_>)],
+        read: (&Statement, Params<'_>),
+    ) -> Result<(Vec<u64>, Vec<Row>), Error> {
+        let (affected, rows) = Pipelined::once_inner(client, statements, Some(read)).await?;
+        Ok((affected, rows.expect("BUG: a read was asked for")))
+    }
+
+    async fn once_inner(
+        client: Object,
+        statements: &[(&Statement, Params<'_>)],
+        read: Option<(&Statement, Params<'_>)>,
+    ) -> Result<(Vec<u64>, Option<Vec<Row>>), Error> {
         let mut open = Pipelined { client: Some(client) };
-        let (begun, affected, committed) = {
+        let (begun, affected, rows, committed) = {
             let client = open.client();
             let writes = futures::future::join_all(statements.iter().map(|(s, p)| client.execute(*s, p)));
+            let read = async {
+                match read {
+                    Some((s, p)) => client.query(s, p).await.map(Some),
+                    None => Ok(None),
+                }
+            };
             futures::join!(
                 client.batch_execute("begin; set local plan_cache_mode = force_generic_plan"),
                 writes,
+                read,
                 client.batch_execute("commit")
             )
         };
@@ -84,8 +111,30 @@ impl Pipelined {
         open.finish();
         begun?;
         let affected = affected.into_iter().collect::<Result<Vec<u64>, Error>>()?;
+        let rows = rows?;
         committed?;
-        Ok(affected)
+        Ok((affected, rows))
+    }
+
+    /// Reads in one round trip, each with a generic plan: `BEGIN`, `plan_cache_mode =
+    /// force_generic_plan` for the transaction, `statements`, `COMMIT`. For statements whose best
+    /// plan does not depend on their parameters (each key probed on its own, `lateral … offset
+    /// 0`), which in auto mode would be planned anew on every call once their custom plans look
+    /// cheaper than the generic one. Every answer is awaited, so after an error the connection is
+    /// outside a transaction.
+    pub async fn read_generic(
+        client: &Object,
+        statements: &[(&Statement, Params<'_>)],
+    ) -> Result<Vec<Vec<Row>>, Error> {
+        let (begun, rows, committed) = futures::join!(
+            client.batch_execute("begin; set local plan_cache_mode = force_generic_plan"),
+            futures::future::join_all(statements.iter().map(|(s, p)| client.query(*s, p))),
+            client.batch_execute("commit")
+        );
+        begun?;
+        let rows = rows.into_iter().collect::<Result<Vec<Vec<Row>>, Error>>()?;
+        committed?;
+        Ok(rows)
     }
 
     /// Runs `statement` inside the transaction (its own round trip), planned for its parameters

@@ -41,21 +41,39 @@ select id from withdrawal
  order by id
  limit $4";
 
-/// Every signed payload of some withdrawals, oldest first per withdrawal. Each id is looked up on
-/// its own (`lateral … offset 0`), so the plan is index probes whatever the statistics said when it
-/// was made: a generic plan made while the tables were small scans them whole for `= any($1)`.
-const ATTEMPTS: &str = "
-select a.withdrawal_id, a.tx_hash, a.kind, a.intent, a.max_fee, null::numeric as fee, null::int as vsize, a.created_at
-  from unnest($1::bigint[]) as k (id)
+/// Every signed payload of the withdrawals whose ids `$ids` (a `from` item with one column, `id`)
+/// yields, oldest first per withdrawal. Each id is looked up on its own (`lateral … offset 0`),
+/// so the plan is index probes whatever the statistics said when it was made: a generic plan made
+/// while the tables were small scans them whole for `= any($1)`.
+macro_rules! attempts_of {
+    ($ids:literal) => {
+        concat!(
+            "select a.withdrawal_id, a.tx_hash, a.kind, a.intent, a.max_fee, null::numeric as fee, null::int as vsize, a.created_at
+  from ", $ids, "
  cross join lateral (select * from withdrawal_attempt a where a.withdrawal_id = k.id offset 0) a
 union all
 select b.withdrawal_id, b.tx_hash, b.kind, case b.kind when 'cancel' then 'cancel' else 'payout' end, null,
        b.fee, b.vsize, b.created_at
-  from unnest($1::bigint[]) as k (id)
+  from ", $ids, "
  cross join lateral (select p.withdrawal_id, a.tx_hash, a.kind, a.fee, a.vsize, a.created_at
                        from btc_spend_payout p join btc_attempt a on a.spend_id = p.spend_id
                       where p.withdrawal_id = k.id offset 0) b
- order by 1, 8, 2";
+ order by 1, 8, 2"
+        )
+    };
+}
+
+/// [`attempts_of`] some ids ($1).
+const ATTEMPTS: &str = attempts_of!("unnest($1::bigint[]) as k (id)");
+
+/// [`attempts_of`] the withdrawals of some requests' idempotency keys ($1 accounts, $2 external
+/// ids): read in the same round trip as the requests' earlier streams, so an idempotent hit is
+/// answered without another.
+pub(crate) const ATTEMPTS_BY_KEY: &str = attempts_of!(
+    "(select w.id from unnest($1::bigint[], $2::text[]) as r (account_id, external_id)
+         cross join lateral (select w.id from withdrawal w
+                              where w.account_id = r.account_id and w.external_id = r.external_id offset 0) w) as k (id)"
+);
 
 /// Which withdrawals a page holds.
 #[derive(Debug, Clone, Default)]
@@ -114,6 +132,35 @@ pub struct Listed {
     pub attempts: Vec<ListedAttempt>,
 }
 
+/// What a listing shows beside the folded stream, when it is known without reading the listing:
+/// a new request's, from what it wrote; an idempotent hit's, read with its stream.
+#[derive(Debug, Clone)]
+pub struct Extras {
+    /// The asset's symbol.
+    pub symbol: String,
+    /// The asset's decimals.
+    pub decimals: u8,
+    /// When it was requested.
+    pub requested_at: SystemTime,
+    /// When it last changed.
+    pub updated_at: SystemTime,
+    /// Every transaction signed for it, oldest first.
+    pub attempts: Vec<ListedAttempt>,
+}
+
+impl Extras {
+    /// `withdrawal` as listed.
+    pub fn listed(self, withdrawal: Withdrawal) -> Listed {
+        let Extras { symbol, decimals, requested_at, updated_at, attempts } = self;
+        Listed { withdrawal, symbol, decimals, requested_at, updated_at, attempts }
+    }
+}
+
+/// Decimals as stored (`smallint`, checked 0..=77).
+pub(crate) fn stored_decimals(decimals: i16) -> u8 {
+    u8::try_from(decimals).expect("BUG: decimals outside 0..=77")
+}
+
 /// The withdrawal `id`, or `None`.
 pub async fn one<C: GenericClient>(client: &C, id: i64) -> Result<Option<Listed>, tokio_postgres::Error> {
     Ok(these(client, &[id]).await?.pop())
@@ -162,7 +209,7 @@ fn listed(withdrawal: Withdrawal, row: &Row, attempts: Vec<ListedAttempt>) -> Li
     Listed {
         withdrawal,
         symbol: row.get(1),
-        decimals: u8::try_from(row.get::<_, i16>(2)).expect("BUG: decimals outside 0..=77"),
+        decimals: stored_decimals(row.get(2)),
         requested_at: row.get(3),
         updated_at: row.get(4),
         attempts,
@@ -204,7 +251,7 @@ async fn these<C: GenericClient>(client: &C, ids: &[i64]) -> Result<Vec<Listed>,
 }
 
 /// [`ATTEMPTS`] rows by withdrawal id, oldest first.
-fn by_withdrawal(rows: &[Row]) -> HashMap<i64, Vec<ListedAttempt>> {
+pub(crate) fn by_withdrawal(rows: &[Row]) -> HashMap<i64, Vec<ListedAttempt>> {
     let mut signed: HashMap<i64, Vec<ListedAttempt>> = HashMap::new();
     for r in rows {
         signed.entry(r.get(0)).or_default().push(attempt(r));

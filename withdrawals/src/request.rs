@@ -8,6 +8,7 @@ use custodian_domain::{Amount, BtcAddress, BtcNetwork, Chain, ChainAddress, EthA
 use custodian_store::{ledger, AppendError};
 use serde::Serialize;
 
+use crate::listing::{self, Extras};
 use crate::sql::{self, StoreError};
 
 /// What a client asks for, already parsed.
@@ -35,6 +36,10 @@ pub struct Requested {
     pub withdrawal: Withdrawal,
     /// False when an earlier request with the same external id and payload was returned.
     pub created: bool,
+    /// What the withdrawal's listing shows beside the fold, when the request already knows it (a
+    /// new one's from what it wrote, an idempotent hit's read with its stream); `None`: read it.
+    #[serde(skip)]
+    pub extras: Option<Extras>,
 }
 
 /// Why a request was refused. Nothing was written.
@@ -196,13 +201,13 @@ async fn existing(client: &deadpool_postgres::Object, request: &Request) -> Resu
     let statements = Statements::prepare(client).await?;
     let [unlocked] =
         Unlocked::read_many(client, &statements, &[request]).await?.try_into().ok().expect("BUG: one read per request");
-    unlocked.earlier.map(|w| compare(w, request)).transpose()
+    unlocked.earlier.map(|(w, _)| compare(w, request)).transpose()
 }
 
 fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, RequestError> {
     let fields = differing(&withdrawal, request);
     if fields.is_empty() {
-        Ok(Requested { withdrawal, created: false })
+        Ok(Requested { withdrawal, created: false, extras: None })
     } else {
         Err(RequestError::Conflict {
             external_id: request.external_id.to_string(),
@@ -214,11 +219,13 @@ fn compare(withdrawal: Withdrawal, request: &Request) -> Result<Requested, Reque
 
 /// Records a request, or returns the earlier one with the same external id and payload.
 ///
-/// A new request costs two round trips on one pooled connection: the reads that need no lock
-/// (the idempotent hit among them, so a hit costs one), then `BEGIN`, the account lock with the
-/// checks under it (`withdrawal_request_check`, refusing by raising), the writes and `COMMIT`
-/// together, so the account's lock is held across no round trip. An asset with a daily limit
-/// takes three: what it writes depends on the day's total read under the lock.
+/// An idempotent hit costs one round trip on one pooled connection: the earlier withdrawal's
+/// stream, listing columns and attempts. A new request costs three: that one, the other reads that
+/// need no lock, then `BEGIN`, the account lock with the checks under it
+/// (`withdrawal_request_check`, refusing by raising), the writes, the transaction's timestamp
+/// (for the answer) and `COMMIT` together, so the account's lock is held across no round trip.
+/// An asset with a daily limit takes four: what it writes depends on the day's total read under
+/// the lock.
 ///
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing (the connection it held is closed, not pooled).
@@ -318,6 +325,8 @@ struct Statements {
     ours: tokio_postgres::Statement,
     lanes: tokio_postgres::Statement,
     next_ids: tokio_postgres::Statement,
+    attempts_by_key: tokio_postgres::Statement,
+    now: tokio_postgres::Statement,
     check: tokio_postgres::Statement,
     lock: tokio_postgres::Statement,
     under_lock: tokio_postgres::Statement,
@@ -336,6 +345,8 @@ impl Statements {
             ours,
             lanes,
             next_ids,
+            attempts_by_key,
+            now,
             check,
             lock,
             under_lock,
@@ -350,6 +361,8 @@ impl Statements {
             client.prepare_cached(OURS),
             client.prepare_cached(LANES),
             client.prepare_cached(NEXT_IDS),
+            client.prepare_cached(listing::ATTEMPTS_BY_KEY),
+            client.prepare_cached(NOW),
             client.prepare_cached(CHECK),
             client.prepare_cached(LOCK),
             client.prepare_cached(UNDER_LOCK),
@@ -365,6 +378,8 @@ impl Statements {
             ours,
             lanes,
             next_ids,
+            attempts_by_key,
+            now,
             check,
             lock,
             under_lock,
@@ -377,33 +392,42 @@ impl Statements {
     }
 }
 
-/// What a request learns before any lock, in one round trip: the earlier withdrawal with its
-/// external id, the asset's approval settings, whether the destination is ours, the chain's
-/// lanes and a fresh id.
+/// What a request learns before any lock: the earlier withdrawal with its external id (one round
+/// trip, and all a hit needs), else the asset's approval settings, whether the destination is
+/// ours, the chain's lanes and a fresh id (a second). Each read is planned generically
+/// ([`custodian_store::Pipelined::read_generic`]): custom plans of these statements were made
+/// anew on every call, at up to twice the server time of the generic plan's execution.
 struct Unlocked {
-    earlier: Option<Withdrawal>,
+    /// The earlier withdrawal with the request's key, with its listing columns. When there is
+    /// one, nothing else is read: the request is answered with it (or refused as a conflict).
+    earlier: Option<(Withdrawal, Extras)>,
     asset: Option<tokio_postgres::Row>,
     ours: Option<String>,
     lanes: Vec<crate::hot_wallet::Lane<ChainAddress>>,
-    id: i64,
+    /// The new withdrawal's id (`None` when there is an earlier one).
+    id: Option<i64>,
 }
 
-/// What [`Unlocked`] is read from, set-based: five statements in one round trip for any number of
-/// requests. The events of each key's earlier withdrawal, oldest first ($1 accounts, $2 keys).
+/// What [`Unlocked`] is read from, set-based, for any number of requests: this and
+/// [`listing::ATTEMPTS_BY_KEY`] in one round trip, then four statements for the requests that found
+/// no earlier withdrawal. The events of each key's earlier withdrawal, oldest first ($1 accounts, $2 keys).
 /// Each key is looked up on its own (`lateral … offset 0` keeps the subquery from being joined
 /// as a whole): joined to the unnest, the generic plan made while the table was small hashes the
 /// keys and scans `withdrawal` whole, and keeps doing so as it grows until the next ANALYZE
 /// (seen at 6.6 ms per request behind 4,160 withdrawals in the request path bench).
 const EXISTING: &str = "
-select e.withdrawal_id, e.event_type, e.payload, w.account_id, w.external_id
+select e.withdrawal_id, e.event_type, e.payload, w.account_id, w.external_id,
+       a.symbol, a.decimals, w.requested_at, w.updated_at
   from unnest($1::bigint[], $2::text[]) as k (account_id, external_id)
- cross join lateral (select w.id, w.account_id, w.external_id from withdrawal w
+ cross join lateral (select w.id, w.account_id, w.external_id, w.chain, w.asset, w.requested_at, w.updated_at
+                       from withdrawal w
                       where w.account_id = k.account_id and w.external_id = k.external_id offset 0) w
+  join asset a on a.chain = w.chain and a.asset = w.asset
   join withdrawal_event e on e.withdrawal_id = w.id
  order by e.withdrawal_id, e.seq";
 /// The approval settings of each asset ($1 assets, $2 chains).
 const ASSET_LIMITS: &str = "
-select a.approval_limit, a.approvals_required, a.daily_limit, a.asset, a.chain
+select a.approval_limit, a.approvals_required, a.daily_limit, a.asset, a.chain, a.symbol, a.decimals
   from asset a join unnest($1::text[], $2::text[]) as k (asset, chain) on k.asset = a.asset and k.chain = a.chain";
 /// Why each destination is ours, if it is: one of our hot wallets; for BTC also any of our own
 /// addresses (a deposit address, a change address): paying it would only move a coin between our
@@ -420,6 +444,8 @@ select k.chain, k.address,
 const LANES: &str = "
 select lane, address, next_nonce, pause_reason, shortage, retired_at is not null, chain
   from hot_wallet where chain = any($1) order by chain, lane";
+/// The transaction's timestamp: a new withdrawal's `requested_at` and `updated_at`.
+const NOW: &str = "select now()";
 /// A fresh id per request, read before any lock (a refused request leaves a gap, as ids may).
 const NEXT_IDS: &str = "select nextval('withdrawal_id_seq') from generate_series(1, $1::int)";
 
@@ -431,49 +457,123 @@ impl Unlocked {
     ) -> Result<Vec<Unlocked>, tokio_postgres::Error> {
         let accounts: Vec<i64> = requests.iter().map(|r| r.account_id.get()).collect();
         let keys: Vec<&str> = requests.iter().map(|r| r.external_id.as_str()).collect();
+        let by_key: [P<'_>; 2] = [&accounts, &keys];
+        // First round trip: the earlier withdrawals, as listed. An idempotent hit is answered
+        // from it alone, and costs the server no more than these two reads.
+        let [existing, attempts]: [Vec<tokio_postgres::Row>; 2] = custodian_store::Pipelined::read_generic(
+            client,
+            &[(&statements.existing, &by_key), (&statements.attempts_by_key, &by_key)],
+        )
+        .await?
+        .try_into()
+        .expect("BUG: two reads answer twice");
+        let mut streams: std::collections::HashMap<(i64, &str), Vec<tokio_postgres::Row>> = Default::default();
+        for row in &existing {
+            streams.entry((row.get(3), row.get(4))).or_default().push(row.clone());
+        }
+        let attempts = listing::by_withdrawal(&attempts);
+        let earlier: Vec<Option<(Withdrawal, Extras)>> = (0..requests.len())
+            .map(|n| {
+                let rows = streams.get(&(accounts[n], keys[n]))?;
+                let first = rows.first()?;
+                let extras = Extras {
+                    symbol: first.get(5),
+                    decimals: listing::stored_decimals(first.get(6)),
+                    requested_at: first.get(7),
+                    updated_at: first.get(8),
+                    attempts: attempts.get(&first.get::<_, i64>(0)).cloned().unwrap_or_default(),
+                };
+                Some((fold_existing(rows)?, extras))
+            })
+            .collect();
+        // Second, for the new requests only: what recording one needs.
+        let new: Vec<&Request> = requests.iter().zip(&earlier).filter(|(_, e)| e.is_none()).map(|(r, _)| *r).collect();
+        let mut fresh = Unlocked::read_new(client, statements, &new).await?.into_iter();
+        Ok(earlier
+            .into_iter()
+            .map(|earlier| match earlier {
+                Some(earlier) => {
+                    Unlocked { earlier: Some(earlier), asset: None, ours: None, lanes: Vec::new(), id: None }
+                }
+                None => fresh.next().expect("BUG: one read per new request"),
+            })
+            .collect())
+    }
+
+    /// The asset's settings, whether the destination is ours, the lanes and a fresh id of each
+    /// of `requests`, none of which found an earlier withdrawal: four reads in one round trip
+    /// (none when there are no requests).
+    async fn read_new(
+        client: &deadpool_postgres::Object,
+        statements: &Statements,
+        requests: &[&Request],
+    ) -> Result<Vec<Unlocked>, tokio_postgres::Error> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
         let assets: Vec<String> = requests.iter().map(|r| r.asset.key()).collect();
         let chains: Vec<&str> = requests.iter().map(|r| r.destination.chain().as_str()).collect();
         let destinations: Vec<String> = requests.iter().map(|r| r.destination.stored()).collect();
         let count = i32::try_from(requests.len()).expect("BUG: a batch beyond i32");
-        let by_key: [P<'_>; 2] = [&accounts, &keys];
         let by_asset: [P<'_>; 2] = [&assets, &chains];
         let by_address: [P<'_>; 2] = [&chains, &destinations];
         let on_chain: [P<'_>; 1] = [&chains];
         let ids: [P<'_>; 1] = [&count];
-        let (existing, limits, ours, lanes, ids) = futures::try_join!(
-            client.query(&statements.existing, &by_key),
-            client.query(&statements.asset_limits, &by_asset),
-            client.query(&statements.ours, &by_address),
-            client.query(&statements.lanes, &on_chain),
-            client.query(&statements.next_ids, &ids),
-        )?;
-        let mut streams: std::collections::HashMap<(i64, String), Vec<tokio_postgres::Row>> = Default::default();
-        for row in existing {
-            streams.entry((row.get(3), row.get(4))).or_default().push(row);
-        }
+        let [limits, ours, lanes, ids]: [Vec<tokio_postgres::Row>; 4] = custodian_store::Pipelined::read_generic(
+            client,
+            &[
+                (&statements.asset_limits, &by_asset),
+                (&statements.ours, &by_address),
+                (&statements.lanes, &on_chain),
+                (&statements.next_ids, &ids),
+            ],
+        )
+        .await?
+        .try_into()
+        .expect("BUG: four reads answer four times");
         let ours: std::collections::HashMap<(String, String), Option<String>> =
             ours.iter().map(|r| ((r.get(0), r.get(1)), r.get(2))).collect();
-        let mut unlocked = Vec::with_capacity(requests.len());
-        for n in 0..requests.len() {
-            let chain = chains[n];
-            unlocked.push(Unlocked {
-                earlier: streams.get(&(accounts[n], keys[n].to_owned())).and_then(|rows| fold_existing(rows)),
-                asset: limits
-                    .iter()
-                    .find(|row| row.get::<_, &str>(3) == assets[n] && row.get::<_, &str>(4) == chain)
-                    .cloned(),
-                ours: ours.get(&(chain.to_owned(), destinations[n].clone())).cloned().flatten(),
-                // Retired lanes finish what they hold and take nothing new.
-                lanes: lanes
-                    .iter()
-                    .filter(|row| row.get::<_, &str>(6) == chain)
-                    .map(crate::hot_wallet::lane_from_row)
-                    .filter(|l| !l.retired)
-                    .collect(),
-                id: ids[n].get(0),
-            });
+        Ok((0..requests.len())
+            .map(|n| {
+                let chain = chains[n];
+                Unlocked {
+                    earlier: None,
+                    asset: limits
+                        .iter()
+                        .find(|row| row.get::<_, &str>(3) == assets[n] && row.get::<_, &str>(4) == chain)
+                        .cloned(),
+                    ours: ours.get(&(chain.to_owned(), destinations[n].clone())).cloned().flatten(),
+                    // Retired lanes finish what they hold and take nothing new.
+                    lanes: lanes
+                        .iter()
+                        .filter(|row| row.get::<_, &str>(6) == chain)
+                        .map(crate::hot_wallet::lane_from_row)
+                        .filter(|l| !l.retired)
+                        .collect(),
+                    id: Some(ids[n].get(0)),
+                }
+            })
+            .collect())
+    }
+}
+
+/// The id read for a request without an earlier withdrawal (the only requests composed).
+fn fresh_id(unlocked: &Unlocked) -> i64 {
+    unlocked.id.expect("BUG: a request with an earlier withdrawal was composed")
+}
+
+impl Unlocked {
+    /// A new withdrawal's listing columns: its asset's, stamped with the time `at` of the
+    /// transaction that wrote it (its rows' `requested_at` and `updated_at`); nothing signed yet.
+    fn new_extras(&self, at: std::time::SystemTime) -> Extras {
+        let asset = self.asset.as_ref().expect("BUG: a request was composed without its asset row");
+        Extras {
+            symbol: asset.get(5),
+            decimals: listing::stored_decimals(asset.get(6)),
+            requested_at: at,
+            updated_at: at,
+            attempts: Vec::new(),
         }
-        Ok(unlocked)
     }
 }
 
@@ -487,8 +587,9 @@ struct Policy {
 /// The answer to a request decided before any lock, or the policy it is recorded under.
 fn decide(request: &Request, unlocked: &Unlocked) -> Result<Policy, Result<Tried, RequestError>> {
     let chain = request.destination.chain().as_str();
-    if let Some(withdrawal) = &unlocked.earlier {
-        return Err(compare(withdrawal.clone(), request).map(|r| Tried::Done(Box::new(r))));
+    if let Some((withdrawal, extras)) = &unlocked.earlier {
+        let answer = compare(withdrawal.clone(), request);
+        return Err(answer.map(|r| Tried::Done(Box::new(Requested { extras: Some(extras.clone()), ..r }))));
     }
     let Some(asset) = &unlocked.asset else {
         return Err(Err(RequestError::Invalid(format!("unknown asset {:?} on {chain}", request.asset.key()))));
@@ -621,18 +722,22 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
     // at all. With one, whether the request waits for approval depends on the day's total read
     // under the lock: BEGIN, the lock and that read first, then the writes with COMMIT.
     if policy.daily_limit.is_none() {
-        let composed = Composed::new(request, &unlocked, &policy, unlocked.id, U256::ZERO)?;
+        let composed = Composed::new(request, &unlocked, &policy, fresh_id(&unlocked), U256::ZERO)?;
         let held = ledger::Columns::of(&composed.holds);
         let params = composed.statements(&statements, true, &held);
         let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
-        if let Err(e) = custodian_store::Pipelined::once(client, &writes).await {
-            return match refusal(&e, request) {
-                Some(refused) => refused,
-                None => Err(e.into()),
-            };
-        }
+        let now = match custodian_store::Pipelined::once_reading(client, &writes, (&statements.now, &[])).await {
+            Ok((_, now)) => now,
+            Err(e) => {
+                return match refusal(&e, request) {
+                    Some(refused) => refused,
+                    None => Err(e.into()),
+                }
+            }
+        };
         composed.counted();
-        return Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true })));
+        let extras = Some(unlocked.new_extras(now[0].get(0)));
+        return Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true, extras })));
     }
     let (account, key, asset) = (request.account_id.get(), request.external_id.as_str(), request.asset.key());
     let (tx, reads) = custodian_store::Pipelined::begin_with_all(
@@ -661,7 +766,7 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
             available,
         });
     }
-    let composed = match Composed::new(request, &unlocked, &policy, unlocked.id, past_day) {
+    let composed = match Composed::new(request, &unlocked, &policy, fresh_id(&unlocked), past_day) {
         Ok(composed) => composed,
         Err(refused) => {
             tx.rollback().await?;
@@ -673,7 +778,7 @@ async fn try_request(client: deadpool_postgres::Object, request: &Request) -> Re
     let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
     tx.commit_with(&writes).await?;
     composed.counted();
-    Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true })))
+    Ok(Tried::Done(Box::new(Requested { withdrawal: composed.withdrawal, created: true, extras: None })))
 }
 
 /// Records several requests, each as [`request`] would, answering each in order: the requests
@@ -752,7 +857,7 @@ async fn batch(
                 continue;
             }
             Ok(policy) if policy.daily_limit.is_some() => continue,
-            Ok(policy) => Composed::new(r, unlocked, &policy, unlocked.id, U256::ZERO),
+            Ok(policy) => Composed::new(r, unlocked, &policy, fresh_id(unlocked), U256::ZERO),
         };
         match composed {
             Ok(composed) => together.push((n, composed)),
@@ -801,10 +906,12 @@ async fn batch(
     params.push((&statements.insert_new, projections.params().to_vec()));
     params.push((&statements.hold, held.params().to_vec()));
     let writes: Vec<_> = params.iter().map(|(s, p)| (*s, p.as_slice())).collect();
-    custodian_store::Pipelined::once(client, &writes).await?;
+    let (_, now) = custodian_store::Pipelined::once_reading(client, &writes, (&statements.now, &[])).await?;
+    let at = now[0].get(0);
     for (n, composed) in together {
         composed.counted();
-        outcomes[n] = Some(Ok(Requested { withdrawal: composed.withdrawal, created: true }));
+        let extras = reads[n].as_ref().map(|unlocked| unlocked.new_extras(at));
+        outcomes[n] = Some(Ok(Requested { withdrawal: composed.withdrawal, created: true, extras }));
     }
     Ok(outcomes)
 }
@@ -891,7 +998,7 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
             fields.push("amount");
         }
         if fields.is_empty() {
-            return Ok(Requested { withdrawal, created: false });
+            return Ok(Requested { withdrawal, created: false, extras: None });
         }
         return Err(RequestError::Conflict {
             external_id: r.external_id.to_string(),
@@ -923,5 +1030,5 @@ pub async fn rebalance(client: &mut deadpool_postgres::Object, r: &Rebalance) ->
     .await?;
     tx.commit().await?;
     metrics::counter!("custodian_withdrawals_total", "state" => withdrawal.state().as_str()).increment(1);
-    Ok(Requested { withdrawal, created: true })
+    Ok(Requested { withdrawal, created: true, extras: None })
 }

@@ -78,3 +78,27 @@ async fn dropped_midway_it_closes_the_connection_and_releases_the_lock() {
         }
     }
 }
+
+#[tokio::test]
+async fn reads_run_with_generic_plans_inside_their_own_transaction_only() {
+    let db = seeded().await;
+    let client = db.pool.get().await.expect("pooled");
+    let (mode, lock) = (
+        client.prepare_cached("select current_setting('plan_cache_mode')").await.expect("prepare"),
+        client.prepare_cached(LOCK).await.expect("prepare"),
+    );
+    let rows = Pipelined::read_generic(&client, &[(&mode, &[]), (&lock, &[&1i64])]).await.expect("read");
+    assert_eq!(rows[0][0].get::<_, String>(0), "force_generic_plan");
+    assert_eq!(rows[1].len(), 1, "the second read is answered too");
+    let after = client.query_one(&mode, &[]).await.expect("read after");
+    assert_eq!(after.get::<_, String>(0), "auto", "the setting ended with the transaction");
+    // The transaction committed: the row lock taken inside it is free.
+    let other = db.client().await;
+    other.query("select id from account where id = 1 for update nowait", &[]).await.expect("lock released");
+    // A failing read leaves the connection outside a transaction.
+    let pid: i32 = client.query_one("select pg_backend_pid()", &[]).await.expect("pid").get(0);
+    let bad = client.prepare_cached("select 1 / (0 * $1::int)").await.expect("prepare");
+    Pipelined::read_generic(&client, &[(&bad, &[&1i32])]).await.expect_err("division by zero");
+    let state = other.query_one("select state from pg_stat_activity where pid = $1", &[&pid]).await.expect("state");
+    assert_eq!(state.get::<_, String>(0), "idle", "no transaction was left open");
+}

@@ -806,3 +806,57 @@ async fn concurrent_callers_through_the_coalescer_never_overdraw_an_account_and_
     assert_eq!(h.count("select count(*) from withdrawal").await, 120);
     h.verify().await;
 }
+
+/// A withdrawal as `listing` reads it, to compare with an answer built from what a request knew.
+async fn as_listed(h: &Harness, id: i64) -> String {
+    let client = h.db.pool.get().await.unwrap();
+    format!("{:?}", custodian_withdrawals::listing::one(&client, id).await.unwrap().unwrap())
+}
+
+#[tokio::test]
+async fn answers_built_from_what_requests_wrote_or_read_are_the_withdrawals_as_listed_and_hits_take_no_id() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let coalescer = custodian_withdrawals::coalesce::Coalescer::start(h.db.pool.clone(), 2, 64);
+    let requests: Vec<Request> = (1..=3).map(|n| eth_request(alice, &format!("l-{n}"), n, ETHER)).collect();
+    // New: two in one batch, one alone, and one through the coalescer.
+    let batch = request::request_batch(&h.db.pool, &requests[..2]).await;
+    let alone = request::request(&h.db.pool, &requests[2]).await.unwrap();
+    let mut ids = Vec::new();
+    for requested in batch.into_iter().map(Result::unwrap).chain([alone]) {
+        assert!(requested.created);
+        let id = requested.withdrawal.id().get();
+        let extras = requested.extras.expect("a new request knows its listing");
+        assert_eq!(format!("{:?}", extras.listed(requested.withdrawal)), as_listed(&h, id).await, "withdrawal {id}");
+        ids.push(id);
+    }
+    let fourth = eth_request(alice, "l-4", 4, ETHER);
+    let answer = coalescer.request(fourth.clone()).await.unwrap();
+    assert!(answer.created);
+    assert_eq!(format!("{:?}", answer.listed), as_listed(&h, answer.listed.withdrawal.id().get()).await);
+    // Signed and sent: a hit's answer carries the attempt, read with its stream.
+    let worker = h.worker(config(1));
+    work_until_state(&h, &worker, false, ids[0], WithdrawalState::Broadcast).await;
+    // The sequence's state is the owner's to read.
+    let owner = h.db.owner_client().await;
+    let next_id =
+        || async { owner.query_one("select last_value from withdrawal_id_seq", &[]).await.unwrap().get::<_, i64>(0) };
+    let ids_before = next_id().await;
+    let hits = request::request_batch(&h.db.pool, &requests).await;
+    for (requested, id) in hits.into_iter().map(Result::unwrap).zip(&ids) {
+        assert!(!requested.created);
+        let extras = requested.extras.expect("a hit knows its listing");
+        let listed = extras.listed(requested.withdrawal);
+        if *id == ids[0] {
+            assert_eq!(listed.attempts.len(), 1, "the signed payload is in the answer");
+        }
+        assert_eq!(format!("{listed:?}"), as_listed(&h, *id).await, "withdrawal {id}");
+    }
+    let (a, b) = tokio::join!(coalescer.request(requests[0].clone()), coalescer.request(fourth));
+    for answer in [a.unwrap(), b.unwrap()] {
+        assert!(!answer.created);
+        assert_eq!(format!("{:?}", answer.listed), as_listed(&h, answer.listed.withdrawal.id().get()).await);
+    }
+    assert_eq!(next_id().await, ids_before, "an idempotent hit draws no withdrawal id");
+    h.verify().await;
+}
