@@ -266,6 +266,10 @@ pub async fn connect_with(
     );
     let pool = Pool::builder(manager)
         .max_size(max_size)
+        // The connection used last is handed out first: a connection's first statements pay for
+        // its plans (the generic plans of pipelined writes, PL/pgSQL functions and triggers,
+        // foreign-key checks), so taking them in turns paid that on every connection of the pool.
+        .queue_mode(deadpool_postgres::QueueMode::Lifo)
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .wait_timeout(Some(checkout_timeout))
         .create_timeout(Some(CONNECT_TIMEOUT))
