@@ -156,6 +156,20 @@ impl Extras {
     }
 }
 
+impl Extras {
+    /// Symbol, decimals, `requested_at` and `updated_at` from `row`'s columns `at`, `at + 1`, …
+    /// (as [`ROWS`] reads them), with `attempts`.
+    pub(crate) fn from_row(row: &Row, at: usize, attempts: Vec<ListedAttempt>) -> Extras {
+        Extras {
+            symbol: row.get(at),
+            decimals: stored_decimals(row.get(at + 1)),
+            requested_at: row.get(at + 2),
+            updated_at: row.get(at + 3),
+            attempts,
+        }
+    }
+}
+
 /// Decimals as stored (`smallint`, checked 0..=77).
 pub(crate) fn stored_decimals(decimals: i16) -> u8 {
     u8::try_from(decimals).expect("BUG: decimals outside 0..=77")
@@ -206,14 +220,7 @@ pub async fn folded<C: GenericClient>(
 
 /// A withdrawal with its [`ROWS`] row and attempts.
 fn listed(withdrawal: Withdrawal, row: &Row, attempts: Vec<ListedAttempt>) -> Listed {
-    Listed {
-        withdrawal,
-        symbol: row.get(1),
-        decimals: stored_decimals(row.get(2)),
-        requested_at: row.get(3),
-        updated_at: row.get(4),
-        attempts,
-    }
+    Extras::from_row(row, 1, attempts).listed(withdrawal)
 }
 
 /// `ids` that exist, in the order given: the three reads in one round trip.

@@ -467,22 +467,17 @@ impl Unlocked {
         .await?
         .try_into()
         .expect("BUG: two reads answer twice");
-        let mut streams: std::collections::HashMap<(i64, &str), Vec<tokio_postgres::Row>> = Default::default();
-        for row in &existing {
-            streams.entry((row.get(3), row.get(4))).or_default().push(row.clone());
+        let mut streams: std::collections::HashMap<(i64, String), Vec<tokio_postgres::Row>> = Default::default();
+        for row in existing {
+            streams.entry((row.get(3), row.get(4))).or_default().push(row);
         }
         let attempts = listing::by_withdrawal(&attempts);
         let earlier: Vec<Option<(Withdrawal, Extras)>> = (0..requests.len())
             .map(|n| {
-                let rows = streams.get(&(accounts[n], keys[n]))?;
+                let rows = streams.get(&(accounts[n], keys[n].to_owned()))?;
                 let first = rows.first()?;
-                let extras = Extras {
-                    symbol: first.get(5),
-                    decimals: listing::stored_decimals(first.get(6)),
-                    requested_at: first.get(7),
-                    updated_at: first.get(8),
-                    attempts: attempts.get(&first.get::<_, i64>(0)).cloned().unwrap_or_default(),
-                };
+                let signed = attempts.get(&first.get::<_, i64>(0)).cloned().unwrap_or_default();
+                let extras = Extras::from_row(first, 5, signed);
                 Some((fold_existing(rows)?, extras))
             })
             .collect();
