@@ -125,6 +125,8 @@ pub struct BtcConfig {
     pub hot_key_files: std::collections::BTreeMap<String, PathBuf>,
     /// Withdrawals one BTC transaction pays at most (default 50).
     pub batch_max: Option<i64>,
+    /// BTC transactions one allocation signs and commits at once when a backlog waits (default 8).
+    pub batches_per_commit: Option<i64>,
     /// How long the oldest waiting withdrawal waits for a batch to fill, ms (default 2000).
     pub batch_wait_ms: Option<u64>,
     /// `estimatesmartfee`'s target, blocks (default 6).

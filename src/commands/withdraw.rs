@@ -562,6 +562,7 @@ pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Re
     let config = BtcConfig {
         network: settings.btc_network,
         batch_max: file.batch_max.unwrap_or(defaults.batch_max).max(1),
+        batches_per_commit: file.batches_per_commit.unwrap_or(defaults.batches_per_commit).max(1),
         batch_wait: file.batch_wait_ms.map_or(defaults.batch_wait, Duration::from_millis),
         fee_target_blocks: file.fee_target_blocks.unwrap_or(defaults.fee_target_blocks),
         min_fee_rate: file.min_fee_rate_sat_vb.map_or(defaults.min_fee_rate, FeeRate::per_vb),

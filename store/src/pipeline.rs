@@ -17,6 +17,9 @@ use tokio_postgres::{Error, Row, Statement};
 /// Parameters of one statement.
 pub type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 
+/// Parameters of one statement, owned: for a write made while the transaction runs.
+pub type OwnedParams = Vec<Box<dyn ToSql + Sync + Send>>;
+
 /// One pooled connection inside a pipelined transaction.
 ///
 /// # Cancel safety
@@ -165,6 +168,47 @@ impl Pipelined {
             affected
         };
         self.finish();
+        Ok(affected)
+    }
+
+    /// Runs `statement` once for each parameter set `next` makes, sending each as soon as it is
+    /// made, so the server executes one write while `next` prepares the one after (signs it, say);
+    /// then `tail` and `COMMIT` behind the last, in the same round trip. Returns the rows each
+    /// write and each of `tail` affected. `Ok` means committed.
+    pub async fn commit_produced(
+        mut self,
+        statement: &Statement,
+        mut next: impl FnMut() -> Option<OwnedParams>,
+        tail: &[(&Statement, Params<'_>)],
+    ) -> Result<Vec<u64>, Error> {
+        use futures::StreamExt;
+        let affected = {
+            let client = self.client();
+            let mut in_flight = futures::stream::FuturesOrdered::new();
+            let mut answered = Vec::new();
+            while let Some(params) = next() {
+                in_flight.push_back(client.execute_raw(statement, params));
+                // Polled once, the write is on its way; answers that already came are kept.
+                futures::future::poll_fn(|cx| {
+                    while let std::task::Poll::Ready(Some(answer)) = in_flight.poll_next_unpin(cx) {
+                        answered.push(answer);
+                    }
+                    std::task::Poll::Ready(())
+                })
+                .await;
+            }
+            let tail = futures::future::join_all(tail.iter().map(|(s, p)| client.execute(*s, p)));
+            let (rest, tail, committed) =
+                futures::join!(in_flight.collect::<Vec<_>>(), tail, client.batch_execute("commit"));
+            // The first error is what failed: every statement after it, and the commit, failed
+            // (or rolled back) because of it.
+            let affected = answered.into_iter().chain(rest).chain(tail).collect::<Result<Vec<u64>, Error>>();
+            (affected, committed)
+        };
+        self.finish();
+        let (affected, committed) = affected;
+        let affected = affected?;
+        committed?;
         Ok(affected)
     }
 

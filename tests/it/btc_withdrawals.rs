@@ -755,6 +755,40 @@ async fn a_batch_waits_to_fill_until_batch_wait_then_goes_as_it_is() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_is_signed_several_full_batches_to_a_commit_and_a_partial_last_batch_waits() {
+    let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
+    let config = BtcConfig {
+        batch_max: 3,
+        batches_per_commit: 2,
+        batch_wait: std::time::Duration::from_secs(3600),
+        ..quick(BtcConfig::default())
+    };
+    let worker =
+        BtcWorker::new(p.db.pool.clone(), p.worker(BtcConfig::default()).node().clone(), p.keys.clone(), config);
+    let mut ids = Vec::new();
+    for n in 1..=7u32 {
+        let to = p.sim.address(AddrKind::P2wpkh, n);
+        ids.push(p.request(&format!("w{n}"), &to, 100_000).await.unwrap().withdrawal.id().get());
+    }
+    assert_eq!(worker.allocate_lane("b0").await.unwrap().signed, 6, "two full batches of three in one allocation");
+    let mut hashes = Vec::new();
+    for id in &ids {
+        hashes.push(p.load(*id).await.tx_hash());
+    }
+    assert!(hashes[..3].iter().all(|h| h.is_some() && *h == hashes[0]), "{hashes:?}");
+    assert!(hashes[3..6].iter().all(|h| h.is_some() && *h == hashes[3]), "{hashes:?}");
+    assert_ne!(hashes[0], hashes[3], "each batch is its own transaction");
+    assert_eq!(hashes[6], None, "the seventh is a partial batch that has not waited an hour");
+    let spends: i64 =
+        p.db.pool.get().await.unwrap().query_one("select count(*) from btc_spend", &[]).await.unwrap().get(0);
+    assert_eq!(spends, 2);
+    assert_eq!(worker.allocate_lane("b0").await.unwrap().signed, 0);
+    // Once due it goes: the two coins are reserved and the change is unconfirmed, so the lane is short.
+    let due = p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    assert_eq!((due.signed, due.short_lanes.len()), (0, 1), "{due:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
     let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;
     let dir = tempdir();

@@ -40,6 +40,9 @@ pub struct BtcConfig {
     pub network: BtcNetwork,
     /// Withdrawals one transaction pays at most.
     pub batch_max: i64,
+    /// Batches (signed transactions) one allocation stores in one database transaction at most,
+    /// when that many are waiting: a backlog is signed in few commits.
+    pub batches_per_commit: i64,
     /// How long the oldest waiting withdrawal may wait for a batch to fill.
     pub batch_wait: Duration,
     /// `estimatesmartfee`'s confirmation target, blocks.
@@ -61,6 +64,7 @@ impl Default for BtcConfig {
         BtcConfig {
             network: BtcNetwork::Mainnet,
             batch_max: 50,
+            batches_per_commit: 8,
             batch_wait: Duration::from_secs(2),
             fee_target_blocks: 6,
             min_fee_rate: FeeRate::per_vb(1),
@@ -175,7 +179,8 @@ select lane.address, lane.paused, lane.next_change_index, lane.shortage,
  order by ready.requested_at, ready.id";
 
 /// The lane's spendable coins ($1 lane), largest first: the view `btc_lane_coin` (`migrations/V5__withdrawals.sql`) decides what is
-/// spendable. Selection looks at the largest [`CANDIDATES`] only: a batch needs few of them, and
+/// spendable. The worker keeps the largest [`CACHED`] of them per canonical tip block; selection
+/// looks at the largest [`CANDIDATES`] of what is left: a batch needs few of them, and
 /// branch-and-bound over thousands would cost more than the change it saves.
 const SPENDABLE: &str = "
 select tx_hash, output_index, amount, change_index from btc_lane_coin
@@ -183,8 +188,13 @@ select tx_hash, output_index, amount, change_index from btc_lane_coin
  order by amount desc, tx_hash, output_index
  limit $2";
 
+/// Coins read at once, at most. The read walks the whole spendable set whatever its limit (32 ms
+/// for 10,000 coins), so it reads enough for many batches: with 500 a backlog read it again every
+/// twenty-odd batches of 50.
+const CACHED: i64 = 5_000;
+
 /// Coins selection looks at, at most.
-const CANDIDATES: i64 = 500;
+const CANDIDATES: usize = 500;
 
 /// Every write of an allocation in one statement: the spend, its change address, the attempt, the
 /// reservations, the payouts, the `signed` events, the projection and the change cursor. $1 lane,
@@ -226,7 +236,7 @@ async fn read_coins(
     lane: &str,
 ) -> Result<Vec<Coin>, tokio_postgres::Error> {
     Ok(tx
-        .query(spendable, &[&lane, &CANDIDATES])
+        .query(spendable, &[&lane, &CACHED])
         .await?
         .iter()
         .map(|r| Coin {
@@ -243,11 +253,146 @@ async fn read_coins(
 /// The longest oldest-first prefix of `ready` the coins cover, with its selection: never a
 /// partial payment.
 fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> Option<(usize, tx::Selection)> {
+    let coins = &coins[..coins.len().min(CANDIDATES)];
     (1..=ready.len()).rev().find_map(|take| {
         let payouts: Vec<(usize, u64)> =
             ready[..take].iter().map(|(w, script)| (script.len(), sat(&w.amount().units()))).collect();
         tx::select(coins, &payouts, rate, CHANGE_DUST).map(|selection| (take, selection))
     })
+}
+
+/// One batch's share of an allocation: `take` withdrawals of the ready list from `start`, paid
+/// by `spent` with `change` back to us and `fee` to the network.
+struct Plan {
+    start: usize,
+    take: usize,
+    spent: Vec<Coin>,
+    change: Option<u64>,
+    fee: u64,
+}
+
+impl Plan {
+    /// The plan `selection` (of `coins`) makes, with its coins taken out of `coins`.
+    fn take(coins: &mut Vec<Coin>, start: usize, take: usize, selection: &tx::Selection) -> Plan {
+        let spent: Vec<Coin> = selection.coins.iter().map(|i| coins[*i].clone()).collect();
+        let reserved: HashSet<OutPoint> = spent.iter().map(|c| c.outpoint).collect();
+        coins.retain(|c| !reserved.contains(&c.outpoint));
+        Plan { start, take, spent, change: selection.change, fee: selection.fee }
+    }
+}
+
+/// A signed batch and every value its row of [`WRITE_ALLOCATION`] stores.
+struct SignedBatch {
+    change_index: Option<i32>,
+    change_address: Option<String>,
+    txid: String,
+    raw: Vec<u8>,
+    fee: U256,
+    vsize: i32,
+    change_output: Option<i32>,
+    coin_txids: Vec<String>,
+    coin_vouts: Vec<i32>,
+    coin_amounts: Vec<U256>,
+    coin_paths: Vec<Option<i32>>,
+    ids: Vec<i64>,
+    vouts: Vec<i32>,
+    weights: Vec<i32>,
+    seqs: Vec<i32>,
+    payloads: Vec<serde_json::Value>,
+    next_change: i32,
+}
+
+impl SignedBatch {
+    /// Pays `ready` from `plan`'s coins, change (if any) to change address `change_index`, signed
+    /// with `key`, leaving the lane's change cursor at `next_change`; each withdrawal's `signed`
+    /// event says `from` and the height `tip`.
+    fn sign(
+        key: &BtcHotKey,
+        ready: &[(Withdrawal, ScriptBuf)],
+        plan: &Plan,
+        (change_index, next_change): (Option<i32>, i32),
+        from: &BtcAddress,
+        tip: u64,
+    ) -> SignedBatch {
+        let mut outputs: Vec<bitcoin::TxOut> =
+            ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount().units()))).collect();
+        let change_address = change_index.map(|i| key.change_address(u32::try_from(i).expect("BUG: negative index")));
+        if let (Some(change), Some(address)) = (plan.change, &change_address) {
+            outputs.push(tx::pay(address.script_pubkey(), change));
+        }
+        let spent_refs: Vec<&Coin> = plan.spent.iter().collect();
+        let mut signed = tx::unsigned(&spent_refs, outputs);
+        let prevouts: Vec<(KeyPath, bitcoin::Amount)> =
+            plan.spent.iter().map(|c| (c.path, bitcoin::Amount::from_sat(c.amount))).collect();
+        key.sign(&mut signed, &prevouts);
+        let tx_hash = TxHash::Btc(signed.compute_txid());
+        let payload = WithdrawalEvent::Signed {
+            from_address: ChainAddress::Btc(from.clone()),
+            nonce: None,
+            tx_hash,
+            at_block: tip,
+        }
+        .payload();
+        let vouts: Vec<i32> = (0..ready.len()).map(|i| i32::try_from(i).expect("BUG: batch beyond i32")).collect();
+        SignedBatch {
+            change_index,
+            change_address: change_address.as_ref().map(ToString::to_string),
+            txid: tx_hash.to_string(),
+            raw: serialize(&signed),
+            fee: U256::from(plan.fee),
+            vsize: i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes"),
+            change_output: plan.change.map(|_| i32::try_from(ready.len()).expect("BUG: batch beyond i32")),
+            coin_txids: plan.spent.iter().map(|c| c.outpoint.txid.to_string()).collect(),
+            coin_vouts: plan
+                .spent
+                .iter()
+                .map(|c| i32::try_from(c.outpoint.vout).expect("BUG: vout beyond i32"))
+                .collect(),
+            coin_amounts: plan.spent.iter().map(|c| U256::from(c.amount)).collect(),
+            coin_paths: plan
+                .spent
+                .iter()
+                .map(|c| match c.path {
+                    KeyPath::Funding => None,
+                    KeyPath::Change(i) => Some(i32::try_from(i).expect("BUG: change index beyond i32")),
+                })
+                .collect(),
+            ids: ready.iter().map(|(w, _)| w.id().get()).collect(),
+            vouts,
+            weights: ready
+                .iter()
+                .map(|(_, script)| i32::try_from(tx::output_weight(script.len())).expect("BUG: output weight"))
+                .collect(),
+            seqs: ready.iter().map(|(w, _)| w.last_seq() + 1).collect(),
+            payloads: vec![payload; ready.len()],
+            next_change,
+        }
+    }
+
+    /// [`WRITE_ALLOCATION`]'s parameters for this batch on `lane`, whose funding address is `from`.
+    fn into_params(self, lane: &str, from: &str) -> custodian_store::pipeline::OwnedParams {
+        vec![
+            Box::new(lane.to_owned()),
+            Box::new(self.change_index),
+            Box::new(self.change_address),
+            Box::new(self.txid),
+            Box::new(self.raw),
+            Box::new(self.fee),
+            Box::new(self.vsize),
+            Box::new(self.change_output),
+            Box::new(self.coin_txids),
+            Box::new(self.coin_vouts),
+            Box::new(self.coin_amounts),
+            Box::new(self.coin_paths),
+            Box::new(self.ids),
+            Box::new(self.vouts),
+            Box::new(self.weights),
+            Box::new(self.seqs),
+            Box::new(self.payloads),
+            Box::new(from.to_owned()),
+            Box::new(self.next_change),
+        ]
+    }
 }
 
 impl BtcWorker {
@@ -378,10 +523,12 @@ impl BtcWorker {
         Ok(report)
     }
 
-    /// Takes up to `batch_max` of the lane's oldest requested withdrawals (once the batch is full
-    /// or its oldest has waited `batch_wait`), selects coins, adds change, signs, and stores the
-    /// bytes, reservations and `signed` events in one transaction under the lane lock. What the
-    /// coins cannot cover waits (oldest first) and the lane reports the shortage.
+    /// Takes the lane's oldest requested withdrawals in batches of up to `batch_max` (a batch
+    /// goes once it is full or its oldest has waited `batch_wait`), up to `batches_per_commit` of
+    /// them; selects coins for each in turn, adds change, signs, and stores every batch's bytes,
+    /// reservations and `signed` events in one transaction under the lane lock. What the coins
+    /// cannot cover waits (oldest first) and, when that is even the oldest, the lane reports the
+    /// shortage.
     async fn allocate_with(&self, turn: LaneTurn<'_>, report: &mut PassReport) -> Result<(), WorkError> {
         let LaneTurn { lane, key, tip, rate } = turn;
         let client = self.pool.get().await?;
@@ -399,31 +546,32 @@ impl BtcWorker {
                 "update hot_wallet set shortage = null, shortage_since = null where chain = 'btc' and lane = $1"
             ),
         )?;
+        let batch_max = usize::try_from(self.config.batch_max.max(1)).unwrap_or(usize::MAX);
+        let taken = self.config.batch_max.max(1).saturating_mul(self.config.batches_per_commit.max(1));
         // First round trip: BEGIN and the lane and withdrawal locks.
-        let (tx, rows) =
-            Pipelined::begin_with(client, &lock, &[&lane.lane.as_str(), &self.config.batch_max, &wait_ms]).await?;
+        let (tx, rows) = Pipelined::begin_with(client, &lock, &[&lane.lane.as_str(), &taken, &wait_ms]).await?;
         let Some(first) = rows.first() else {
             tx.rollback().await?;
             return Ok(());
         };
-        // A batch goes once it is full or its oldest has waited `batch_wait`.
-        let waiting = rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()).count();
-        let due = first.get::<_, Option<bool>>(13).unwrap_or(false);
-        if waiting == 0 || (i64::try_from(waiting).unwrap_or(i64::MAX) < self.config.batch_max && !due) {
-            tx.rollback().await?;
-            return Ok(());
-        }
         let (address, paused, next_change, shortage, tip_hash): (String, bool, i32, Option<String>, Option<String>) =
             (first.get(0), first.get(1), first.get(2), first.get(3), first.get(12));
-        // The cache is keyed by the canonical tip block: a reorg, even to the same height, reads again.
-        let at = tip_hash.unwrap_or_default();
-        if paused {
+        let waiting: Vec<&tokio_postgres::Row> = rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()).collect();
+        // Full batches go; a last, partial one only once its oldest has waited `batch_wait`.
+        let going = waiting.len() - waiting.len() % batch_max;
+        let going = match waiting.get(going) {
+            Some(row) if row.get::<_, Option<bool>>(13).unwrap_or(false) => waiting.len(),
+            _ => going,
+        };
+        if going == 0 || paused {
             tx.rollback().await?;
             return Ok(());
         }
+        // The cache is keyed by the canonical tip block: a reorg, even to the same height, reads again.
+        let at = tip_hash.unwrap_or_default();
         let mut ready: Vec<(Withdrawal, ScriptBuf)> = Vec::new();
         let mut tampered = Vec::new();
-        for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(4).is_some()) {
+        for row in &waiting[..going] {
             match verified_request(row, 4) {
                 // Read again against the network: a row written by hand may name another's.
                 Ok(w) => match BtcAddress::parse(&w.destination().stored(), self.config.network) {
@@ -448,12 +596,13 @@ impl BtcWorker {
             Some(coins) => coins,
             None => read_coins(&tx, &spendable, lane.lane.as_str()).await?,
         };
-        let mut chosen = choose(&coins, &ready, rate);
-        if chosen.is_none() && !fresh {
+        let first = &ready[..batch_max.min(ready.len())];
+        let mut chosen = choose(&coins, first, rate);
+        if !fresh && chosen.as_ref().is_none_or(|(take, _)| *take < first.len()) {
             coins = read_coins(&tx, &spendable, lane.lane.as_str()).await?;
-            chosen = choose(&coins, &ready, rate);
+            chosen = choose(&coins, first, rate);
         }
-        let Some((take, selection)) = chosen else {
+        let Some(chosen) = chosen else {
             let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
             let held: u64 = coins.iter().map(|c| c.amount).sum();
             let short = format!(
@@ -470,89 +619,44 @@ impl BtcWorker {
             report.short_lanes.push(format!("{}: {short}", lane.lane));
             return Ok(());
         };
-        let was_short = shortage.is_some();
-        let ready = &ready[..take];
-        let spent: Vec<Coin> = selection.coins.iter().map(|i| coins[*i].clone()).collect();
-        let spent_refs: Vec<&Coin> = spent.iter().collect();
-        let mut outputs: Vec<bitcoin::TxOut> =
-            ready.iter().map(|(w, script)| tx::pay(script.clone(), sat(&w.amount().units()))).collect();
-        let change_index = selection.change.map(|_| next_change);
-        let change_address = change_index.map(|i| key.change_address(u32::try_from(i).expect("BUG: negative index")));
-        if let (Some(change), Some(address)) = (selection.change, &change_address) {
-            outputs.push(tx::pay(address.script_pubkey(), change));
-        }
-        let mut signed = tx::unsigned(&spent_refs, outputs);
-        let prevouts: Vec<(KeyPath, bitcoin::Amount)> =
-            spent.iter().map(|c| (c.path, bitcoin::Amount::from_sat(c.amount))).collect();
-        key.sign(&mut signed, &prevouts);
-        let tx_hash = TxHash::Btc(signed.compute_txid());
-        let txid = tx_hash.to_string();
-        let raw = serialize(&signed);
-        let vsize = i32::try_from(signed.vsize()).expect("BUG: a transaction beyond 2^31 vbytes");
-        let ids: Vec<i64> = ready.iter().map(|(w, _)| w.id().get()).collect();
-        let vouts: Vec<i32> = (0..ready.len()).map(|i| i32::try_from(i).expect("BUG: batch beyond i32")).collect();
-        let weights: Vec<i32> = ready
-            .iter()
-            .map(|(_, script)| i32::try_from(tx::output_weight(script.len())).expect("BUG: output weight"))
-            .collect();
-        let seqs: Vec<i32> = ready.iter().map(|(w, _)| w.last_seq() + 1).collect();
-        let payloads: Vec<serde_json::Value> = ready
-            .iter()
-            .map(|_| {
-                WithdrawalEvent::Signed {
-                    from_address: ChainAddress::Btc(lane.address.clone()),
-                    nonce: None,
-                    tx_hash,
-                    at_block: tip,
+        // Each further batch chooses from what the ones before it left, and goes only if wholly
+        // paid: the rest waits for the next allocation, which reads the coins again if it must.
+        let mut left = coins;
+        let (take, selection) = chosen;
+        let mut plans = vec![Plan::take(&mut left, 0, take, &selection)];
+        let mut start = take;
+        while take == first.len() && start < ready.len() {
+            let batch = &ready[start..(start + batch_max).min(ready.len())];
+            match choose(&left, batch, rate) {
+                Some((take, selection)) if take == batch.len() => {
+                    plans.push(Plan::take(&mut left, start, take, &selection));
+                    start += take;
                 }
-                .payload()
-            })
-            .collect();
-        let coin_txids: Vec<String> = spent.iter().map(|c| c.outpoint.txid.to_string()).collect();
-        let coin_vouts: Vec<i32> =
-            spent.iter().map(|c| i32::try_from(c.outpoint.vout).expect("BUG: vout beyond i32")).collect();
-        let coin_amounts: Vec<U256> = spent.iter().map(|c| U256::from(c.amount)).collect();
-        let coin_paths: Vec<Option<i32>> = spent
-            .iter()
-            .map(|c| match c.path {
-                KeyPath::Funding => None,
-                KeyPath::Change(i) => Some(i32::try_from(i).expect("BUG: change index beyond i32")),
-            })
-            .collect();
-        let change_output = selection.change.map(|_| vouts.len() as i32);
-        let next = next_change + i32::from(change_index.is_some());
-        // Second round trip: every write, the shortage cleared if there was one, and COMMIT.
-        let change_text = change_address.as_ref().map(ToString::to_string);
-        let fee = U256::from(selection.fee);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 19] = [
-            &lane.lane.as_str(),
-            &change_index,
-            &change_text,
-            &txid,
-            &raw,
-            &fee,
-            &vsize,
-            &change_output,
-            &coin_txids,
-            &coin_vouts,
-            &coin_amounts,
-            &coin_paths,
-            &ids,
-            &vouts,
-            &weights,
-            &seqs,
-            &payloads,
-            &address,
-            &next,
-        ];
+                _ => break,
+            }
+        }
+        let was_short = shortage.is_some();
+        // Second round trip: each batch's writes, sent as soon as it is signed (the server stores
+        // one while the next is signed), the shortage cleared if there was one, and COMMIT.
+        let mut change_cursor = next_change;
+        let mut batches = plans.iter();
+        let mut sizes: Vec<usize> = Vec::new();
+        let sign_next = || {
+            let plan = batches.next()?;
+            let change_index = plan.change.map(|_| change_cursor);
+            change_cursor += i32::from(change_index.is_some());
+            let batch = &ready[plan.start..plan.start + plan.take];
+            sizes.push(batch.len());
+            Some(
+                SignedBatch::sign(key, batch, plan, (change_index, change_cursor), &lane.address, tip)
+                    .into_params(lane.lane.as_str(), &address),
+            )
+        };
         let lane_name: &(dyn tokio_postgres::types::ToSql + Sync) = &lane.lane.as_str();
         let clear: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [lane_name];
-        let mut writes: Vec<(&tokio_postgres::Statement, custodian_store::pipeline::Params<'_>)> =
-            vec![(&write, &params)];
-        if was_short {
-            writes.push((&clear_short, &clear));
-        }
-        let committed = tx.commit_with(&writes).await.map(|_| ());
+        let tail: &[(&tokio_postgres::Statement, custodian_store::pipeline::Params<'_>)] =
+            if was_short { &[(&clear_short, &clear)] } else { &[] };
+        let committed = tx.commit_produced(&write, sign_next, tail).await;
         match committed {
             Err(e) if custodian_store::is_unique_violation(&e, Some("utxo_reservation_live")) => {
                 // Another worker reserved one of these coins first: the database refused the second
@@ -565,23 +669,25 @@ impl BtcWorker {
                 self.forget_coins(lane.lane.as_str());
                 return Err(e.into());
             }
-            Ok(()) => {}
+            Ok(_) => {}
         }
         if was_short {
             metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.to_string()).set(0.0);
         }
-        let reserved: HashSet<OutPoint> = spent.iter().map(|c| c.outpoint).collect();
-        coins.retain(|c| !reserved.contains(&c.outpoint));
-        self.keep_coins(lane.lane.as_str(), at, coins);
-        metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(ids.len() as u64);
-        metrics::histogram!("custodian_btc_batch_size").record(ids.len() as f64);
-        report.signed += ids.len() as u64;
+        self.keep_coins(lane.lane.as_str(), at, left);
+        for size in sizes {
+            metrics::counter!("custodian_withdrawals_total", "state" => "signed").increment(size as u64);
+            metrics::histogram!("custodian_btc_batch_size").record(size as f64);
+            report.signed += size as u64;
+        }
         Ok(())
     }
 
+    /// Takes the lane's cached coins if they were read at `tip` (called under the lane lock; an
+    /// allocation that does not put them back leaves the next one to read them again).
     fn cached_coins(&self, lane: &str, tip: &str) -> Option<Vec<Coin>> {
-        let cache = self.coins.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        cache.get(lane).filter(|(at, _)| at == tip).map(|(_, coins)| coins.clone())
+        let mut cache = self.coins.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        cache.remove(lane).filter(|(at, _)| at == tip).map(|(_, coins)| coins)
     }
 
     fn keep_coins(&self, lane: &str, tip: String, coins: Vec<Coin>) {
