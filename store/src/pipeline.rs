@@ -182,7 +182,7 @@ impl Pipelined {
         tail: &[(&Statement, Params<'_>)],
     ) -> Result<Vec<u64>, Error> {
         use futures::StreamExt;
-        let affected = {
+        let (affected, committed) = {
             let client = self.client();
             let mut in_flight = futures::stream::FuturesOrdered::new();
             let mut answered = Vec::new();
@@ -206,7 +206,6 @@ impl Pipelined {
             (affected, committed)
         };
         self.finish();
-        let (affected, committed) = affected;
         let affected = affected?;
         committed?;
         Ok(affected)

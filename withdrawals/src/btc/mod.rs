@@ -596,11 +596,11 @@ impl BtcWorker {
             Some(coins) => coins,
             None => read_coins(&tx, &spendable, lane.lane.as_str()).await?,
         };
-        let first = &ready[..batch_max.min(ready.len())];
-        let mut chosen = choose(&coins, first, rate);
-        if !fresh && chosen.as_ref().is_none_or(|(take, _)| *take < first.len()) {
+        let oldest = &ready[..batch_max.min(ready.len())];
+        let mut chosen = choose(&coins, oldest, rate);
+        if !fresh && chosen.as_ref().is_none_or(|(take, _)| *take < oldest.len()) {
             coins = read_coins(&tx, &spendable, lane.lane.as_str()).await?;
-            chosen = choose(&coins, first, rate);
+            chosen = choose(&coins, oldest, rate);
         }
         let Some(chosen) = chosen else {
             let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
@@ -625,7 +625,7 @@ impl BtcWorker {
         let (take, selection) = chosen;
         let mut plans = vec![Plan::take(&mut left, 0, take, &selection)];
         let mut start = take;
-        while take == first.len() && start < ready.len() {
+        while take == oldest.len() && start < ready.len() {
             let batch = &ready[start..(start + batch_max).min(ready.len())];
             match choose(&left, batch, rate) {
                 Some((take, selection)) if take == batch.len() => {
