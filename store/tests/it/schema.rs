@@ -214,3 +214,92 @@ async fn the_pool_hands_out_the_connection_used_last() {
         assert_eq!(pid(&again).await, b, "the connection returned last comes first");
     }
 }
+
+/// Payouts and reservations name the spend their statement inserted. Since V11 the spend's
+/// existence is checked once per statement instead of by a foreign key probed row by row: a
+/// statement naming a missing spend, even beside rows naming a real one, is refused whole with
+/// the foreign key's SQLSTATE, and nothing of it is written. The withdrawal a payout names is
+/// still a foreign key.
+#[tokio::test]
+async fn a_payout_or_reservation_naming_a_missing_spend_is_refused_whole() {
+    const FUNDING: &str = "bcrt1qw508d6qejxtdg4y5r3zarvary0c5xw7kygt080";
+    const DESTINATION: &str = "bcrt1q6rz28mcfaxtmd6v789l9rrlrusdprr9pz3cppk";
+    let xpub = format!("tpub{}", "D".repeat(107));
+    let db = TestDb::new().await;
+    let client = db.owner_client().await;
+    client
+        .batch_execute(&format!(
+            "insert into hot_wallet (chain, address, lane, next_nonce) values ('btc', '{FUNDING}', 'b0', 0);
+             insert into btc_hot_wallet (lane, address, account_xpub) values ('b0', '{FUNDING}', '{xpub}');
+             insert into account (external_ref) values ('alice');
+             insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, lane, last_seq)
+                  select i, (select id from account where external_ref = 'alice'), 'w' || i, 'btc', 'BTC',
+                         '{DESTINATION}', 1000, 'requested', 'b0', 1
+                    from generate_series(1, 3) i;
+             insert into btc_spend (lane) values ('b0');"
+        ))
+        .await
+        .unwrap();
+    let spend: i64 = client.query_one("select max(id) from btc_spend", &[]).await.unwrap().get(0);
+    let missing = spend + 1;
+    let coin = "a".repeat(64);
+    async fn refused_as_foreign_key(client: &tokio_postgres::Client, sql: &str) -> String {
+        let error = client.batch_execute(sql).await.expect_err(sql);
+        let db = error.as_db_error().expect("a database error");
+        assert_eq!(db.code(), &tokio_postgres::error::SqlState::FOREIGN_KEY_VIOLATION, "{sql}: {db:?}");
+        db.message().to_owned()
+    }
+    let message = refused_as_foreign_key(
+        &client,
+        &format!(
+            "insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight)
+                  values ({spend}, 1, 0, 100), ({missing}, 2, 0, 100)"
+        ),
+    )
+    .await;
+    assert!(message.contains(&format!("spend {missing}")) && message.contains("btc_spend_payout"), "{message}");
+    let message = refused_as_foreign_key(
+        &client,
+        &format!(
+            "insert into utxo_reservation (tx_hash, output_index, spend_id, amount)
+                  values ('{coin}', 0, {spend}, 5000), ('{coin}', 1, {missing}, 5000)"
+        ),
+    )
+    .await;
+    assert!(message.contains(&format!("spend {missing}")) && message.contains("utxo_reservation"), "{message}");
+    // The withdrawal's reference is still a foreign key.
+    let message = refused_as_foreign_key(
+        &client,
+        &format!(
+            "insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight) values ({spend}, 99, 0, 100)"
+        ),
+    )
+    .await;
+    assert!(message.contains("btc_spend_payout_withdrawal_id_fkey"), "{message}");
+    let written: i64 = client
+        .query_one("select (select count(*) from btc_spend_payout) + (select count(*) from utxo_reservation)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(written, 0, "a refused statement wrote nothing");
+
+    // The same rows naming the real spend go in; a withdrawal is still paid by one spend only.
+    client
+        .batch_execute(&format!(
+            "insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight)
+                  values ({spend}, 1, 0, 100), ({spend}, 2, 1, 100);
+             insert into utxo_reservation (tx_hash, output_index, spend_id, amount)
+                  values ('{coin}', 0, {spend}, 5000), ('{coin}', 1, {spend}, 5000);"
+        ))
+        .await
+        .unwrap();
+    client.batch_execute("insert into btc_spend (lane) values ('b0')").await.unwrap();
+    let message = refused(
+        &client,
+        &format!(
+            "insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight) values ({missing}, 1, 0, 100)"
+        ),
+    )
+    .await;
+    assert!(message.contains("btc_spend_payout_pkey"), "{message}");
+}
