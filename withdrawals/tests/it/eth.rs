@@ -695,6 +695,58 @@ async fn transactions(h: &Harness, ids: &[i64]) -> i64 {
         .get(0)
 }
 
+#[tokio::test]
+async fn a_warmed_connection_has_planned_every_statement_a_request_runs_and_wrote_nothing() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    // A pool of one new connection, so what is prepared on it is what warming and the request did.
+    let pool = custodian_store::pool::connect_with(&h.db.url, 1, Duration::from_secs(5)).await.unwrap();
+    let mut client = pool.get().await.unwrap();
+    // How many statements the connection has prepared, and how many of them have a generic plan
+    // (tokio-postgres prepares every query it sends by name, this one too: it is left out).
+    async fn planned(client: &tokio_postgres::Client) -> (i64, i64) {
+        let row = client
+            .query_one(
+                "select count(*), count(*) filter (where generic_plans > 0) from pg_prepared_statements
+                  where statement not like '%pg_prepared_statements%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    }
+    assert_eq!(planned(&client).await, (0, 0), "a new connection has nothing prepared");
+    // The sequence's state is the owner's to read.
+    let owner = h.db.owner_client().await;
+    let written = || async {
+        let row = owner
+            .query_one(
+                "select (select last_value from withdrawal_id_seq), (select is_called from withdrawal_id_seq),
+                        (select count(*) from withdrawal_event), (select count(*) from ledger_posting)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0), row.get::<_, bool>(1), row.get::<_, i64>(2), row.get::<_, i64>(3))
+    };
+    let before = written().await;
+
+    request::warm(&mut client).await.unwrap();
+    let (prepared, generic) = planned(&client).await;
+    assert!(prepared >= 15, "every statement of a request is prepared: {prepared}");
+    assert_eq!(generic, prepared, "and each has its generic plan");
+    assert_eq!(written().await, before, "warming writes nothing and draws no id");
+
+    // A request on the warmed connection prepares nothing more: warming covered all it runs.
+    drop(client);
+    let requested = request::request(&pool, &eth_request(alice, "w-1", 1, ETHER)).await.unwrap();
+    assert!(requested.created);
+    let client = pool.get().await.unwrap();
+    assert_eq!(planned(&client).await.0, prepared, "the request found every statement prepared");
+    assert_ne!(written().await, before, "the request itself is written");
+    h.verify().await;
+}
+
 fn eth_request(account: i64, external_id: &str, to: u64, wei: u128) -> Request {
     Request {
         account_id: AccountId::new(account),
