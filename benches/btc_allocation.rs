@@ -57,6 +57,14 @@ async fn drain(worker: &BtcWorker, n: u64) -> (u64, Duration) {
     (signed, started.elapsed())
 }
 
+/// Drains `n` withdrawals with `worker`, then measures the one-row ceiling again: how many were
+/// signed, their rate, and the ceiling's rate after them.
+async fn drain_then_ceiling(worker: &BtcWorker, db: &TestDb, n: i64) -> (u64, u64, u64) {
+    let (signed, t) = drain(worker, u64::try_from(n).unwrap()).await;
+    let (cn, ct) = one_row_ceiling(db, 2_000).await;
+    (signed, per_second(signed, t), per_second(cn, ct))
+}
+
 #[tokio::main]
 async fn main() {
     let scale: i64 = std::env::var("BTC_ALLOCATION_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
@@ -161,10 +169,7 @@ async fn main() {
     // Batch 1 left 200 spends, attempts and reservations behind: autovacuum analyzes a table after
     // 50 changed rows, and a service would plan with those statistics, not with empty tables'.
     db.owner_client().await.batch_execute("analyze").await.unwrap();
-    let (n, t) = drain(&worker(50, 1), u64::try_from(batch_50_n).unwrap()).await;
-    let batch_50 = per_second(n, t);
-    let (cn, ct) = one_row_ceiling(&db, 2_000).await;
-    let ceiling_after = per_second(cn, ct);
+    let (n, batch_50, ceiling_after) = drain_then_ceiling(&worker(50, 1), &db, batch_50_n).await;
     println!(
         "  batch 50, one batch a commit: {n} withdrawals at {batch_50}/s = {}x the ceiling; the ceiling measured again after: {ceiling_after} txn/s",
         ratio(batch_50, ceiling_1)
@@ -172,10 +177,7 @@ async fn main() {
     // The service's default: a backlog is signed up to 8 transactions (of 50) to a commit.
     let per_commit = BtcConfig::default().batches_per_commit;
     let service = worker(50, per_commit);
-    let (n, t) = drain(&service, u64::try_from(batch_50_n).unwrap()).await;
-    let batch_50 = per_second(n, t);
-    let (cn, ct) = one_row_ceiling(&db, 2_000).await;
-    let ceiling_last = per_second(cn, ct);
+    let (n, batch_50, ceiling_last) = drain_then_ceiling(&service, &db, batch_50_n).await;
     println!(
         "  batch 50, up to {per_commit} batches a commit: {n} withdrawals at {batch_50}/s = {}x the ceiling (target >= 10); the ceiling measured again after: {ceiling_last} txn/s",
         ratio(batch_50, ceiling_1)
@@ -183,10 +185,7 @@ async fn main() {
     // The same worker again at the same tip: its coins were read by the drain above, as a worker
     // in service has read them once the first allocation after a block is done. The figure above
     // includes that read (one per block in service); this one is what the blocks in between cost.
-    let (n, t) = drain(&service, u64::try_from(batch_50_n).unwrap()).await;
-    let batch_50 = per_second(n, t);
-    let (cn, ct) = one_row_ceiling(&db, 2_000).await;
-    let ceiling_again = per_second(cn, ct);
+    let (n, batch_50, ceiling_again) = drain_then_ceiling(&service, &db, batch_50_n).await;
     println!(
         "  the same, its coins already read at this tip: {n} withdrawals at {batch_50}/s = {}x the ceiling (target >= 10); the ceiling measured again after: {ceiling_again} txn/s",
         ratio(batch_50, ceiling_1)
