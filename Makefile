@@ -26,7 +26,7 @@ demo: setup
 	cargo run --locked --features demo -- demo
 
 bench: setup
-	cargo bench --workspace --locked
+	cargo bench --workspace --locked --no-fail-fast
 
 # A synchronous standby of the local server (5432) in .pgdata/standby on 5433; the ledger database
 # commits with synchronous_commit = remote_apply. Connect with
