@@ -3,7 +3,8 @@
 //! 1,000,000 deposit events over 100,000 addresses and 20,000 accounts (5 addresses each, 10
 //! deposits per address, 100 per block): one account's balance query p50 and p99, a full posting
 //! pass, and `replay --verify` throughput in facts/s beside a plain sequential read of the same
-//! tables over the same connection. `LEDGER_DEPOSITS` shrinks the run.
+//! tables over the same connection. `LEDGER_DEPOSITS` and `LEDGER_ACCOUNTS` shrink the run (`make
+//! test` runs it small, so that the bench cannot stop working unseen).
 
 use std::time::{Duration, Instant};
 
@@ -12,7 +13,6 @@ use custodian_projections::{balances, posting, replay};
 use custodian_testkit::TestDb;
 use futures::{pin_mut, TryStreamExt};
 
-const ACCOUNTS: i64 = 20_000;
 const ADDRESSES_PER_ACCOUNT: i64 = 5;
 const DEPOSITS_PER_BLOCK: i64 = 100;
 const BALANCE_SAMPLES: usize = 2_000;
@@ -25,15 +25,15 @@ fn per_second(count: u64, elapsed: Duration) -> u64 {
     (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
 }
 
-async fn prepare(db: &TestDb, deposits: i64) {
-    let addresses = ACCOUNTS * ADDRESSES_PER_ACCOUNT;
+async fn prepare(db: &TestDb, accounts: i64, deposits: i64) {
+    let addresses = accounts * ADDRESSES_PER_ACCOUNT;
     let blocks = deposits / DEPOSITS_PER_BLOCK;
     let client = db.client().await;
     client
         .batch_execute(&format!(
-            "insert into account (external_ref) select 'acct-' || i from generate_series(1, {ACCOUNTS}) i;
+            "insert into account (external_ref) select 'acct-' || i from generate_series(1, {accounts}) i;
              insert into wallet_address (chain, address, account_id)
-             select 'eth', '0x' || lpad(to_hex(i), 40, '0'), (i - 1) % {ACCOUNTS} + 1 from generate_series(1, {addresses}) i;
+             select 'eth', '0x' || lpad(to_hex(i), 40, '0'), (i - 1) % {accounts} + 1 from generate_series(1, {addresses}) i;
              insert into chain_block (chain, height, block_hash, parent_hash)
              select 'eth', h, '0x' || lpad(to_hex(h), 64, '0'), '0x' || lpad(to_hex(greatest(h - 1, 0)), 64, '0')
                from generate_series(0, {last_block}) h;
@@ -69,11 +69,12 @@ async fn sequential_read(db: &TestDb) -> (u64, Duration) {
 
 #[tokio::main]
 async fn main() {
-    let deposits: i64 = std::env::var("LEDGER_DEPOSITS").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
-    println!("ledger: {deposits} deposit events, {} addresses, {ACCOUNTS} accounts", ACCOUNTS * ADDRESSES_PER_ACCOUNT);
+    let size = |name: &str, default: i64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (deposits, accounts) = (size("LEDGER_DEPOSITS", 1_000_000), size("LEDGER_ACCOUNTS", 20_000));
+    println!("ledger: {deposits} deposit events, {} addresses, {accounts} accounts", accounts * ADDRESSES_PER_ACCOUNT);
     let db = TestDb::new().await;
     let started = Instant::now();
-    prepare(&db, deposits).await;
+    prepare(&db, accounts, deposits).await;
     println!("  prepared in {:.1?}", started.elapsed());
 
     let client = db.pool.get().await.unwrap();
@@ -91,7 +92,7 @@ async fn main() {
 
     let mut samples = Vec::with_capacity(BALANCE_SAMPLES);
     for i in 0..BALANCE_SAMPLES {
-        let account = (i as i64 * 7919) % ACCOUNTS + 1;
+        let account = (i as i64 * 7919) % accounts + 1;
         let started = Instant::now();
         let rows = balances::for_account(&client, account, "bench").await.unwrap();
         samples.push(started.elapsed());
