@@ -93,14 +93,6 @@ select k.deposit_key, k.asset, coalesce(b.custody, 0) as booked,
   left join lost l using (deposit_key)
   left join rounds r using (deposit_key)";
 
-/// Deposit keys whose booked custody differs from what observations, tiers and decisions say.
-fn key_diff() -> String {
-    format!(
-        "with k as ({DEPOSIT_KEYS}) select deposit_key, asset, booked::text, expected::text from k
-          where booked <> expected order by deposit_key"
-    )
-}
-
 /// Every credit transfer names an observation of its own key and credits only that observation's
 /// owner or treasury; every reversal or loss is the booking of a recorded decision, for the round's
 /// amount, from the round's account (or treasury); every approval has its transfer.
@@ -202,11 +194,14 @@ select case when e.idempotency_key is null then 'live posting not derivable from
     )
 }
 
-/// custody as booked against custody as the facts put it there, per asset: the deposit keys'
-/// expected amounts plus the withdrawal movements.
-fn custody() -> String {
+/// Deposit keys whose booked custody differs from what observations, tiers and decisions say
+/// (`key`: the key, its asset, booked, expected), then custody as booked against custody as the
+/// facts put it there, per asset: the keys' expected amounts plus the withdrawal movements
+/// (`custody`: the asset, booked, expected). One statement, so that the keys are derived once: at
+/// 200,000 deposits each derivation reads every observation through `deposit_status` (4.2 s).
+fn keys_and_custody() -> String {
     format!(
-        "with keys as ({DEPOSIT_KEYS}), movements as ({EXPECTED_MOVEMENTS}), booked as (
+        "with keys as materialized ({DEPOSIT_KEYS}), movements as ({EXPECTED_MOVEMENTS}), booked as (
     select asset, sum(case direction when 'debit' then amount else -amount end) as net
       from ledger_posting where ledger_account = 'custody' group by asset
 ), from_facts as (
@@ -217,9 +212,12 @@ fn custody() -> String {
         select asset, sum(expected) from keys group by asset) f
      group by asset
 )
-select coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
+select 'key', deposit_key, asset, booked::text, expected::text from keys where booked <> expected
+union all
+select 'custody', null, coalesce(b.asset, f.asset), coalesce(b.net, 0)::text, coalesce(f.net, 0)::text
   from booked b full join from_facts f using (asset)
- where coalesce(b.net, 0) <> coalesce(f.net, 0)"
+ where coalesce(b.net, 0) <> coalesce(f.net, 0)
+order by 1, 2, 3"
     )
 }
 
@@ -507,12 +505,18 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     for row in tx.query(&posting_diff(), &legs.params()).await? {
         report.differ("posting set", keyed(&row));
     }
-    for row in tx.query(&key_diff(), &[]).await? {
-        let [key, asset, booked, expected] = cells(&row);
-        let detail = format!(
-            "{key} ({asset}): the ledger holds {booked} under the key, the chain and the decisions say {expected}"
-        );
-        report.differ("deposit keys", detail);
+    // Custody's differences are reported last, after the transfers' balance they follow from.
+    let mut custody = Vec::new();
+    for row in tx.query(&keys_and_custody(), &legs.params()).await? {
+        let [check, key, asset, booked, expected] = cells(&row);
+        if check == "key" {
+            let detail = format!(
+                "{key} ({asset}): the ledger holds {booked} under the key, the chain and the decisions say {expected}"
+            );
+            report.differ("deposit keys", detail);
+        } else {
+            custody.push(format!("{asset}: custody booked {booked} but the facts put {expected} there"));
+        }
     }
     for row in tx.query(DEPOSIT_SHAPE, &[]).await? {
         let [transfer, key, problem] = cells(&row);
@@ -544,9 +548,8 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     for (id, key, problem) in unbalanced {
         report.differ("transfers balance", format!("transfer {id} ({key}): {problem}"));
     }
-    for row in tx.query(&custody(), &legs.params()).await? {
-        let [asset, booked, expected] = cells(&row);
-        report.differ("custody", format!("{asset}: custody booked {booked} but the facts put {expected} there"));
+    for detail in custody {
+        report.differ("custody", detail);
     }
     report.differences.extend(crate::btc_spends::verify(&tx).await?);
     for (position, problem) in crate::seals::broken(&tx).await? {

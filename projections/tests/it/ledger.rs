@@ -164,3 +164,54 @@ async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
         report.differences
     );
 }
+
+/// A deposit key credited beyond what the chain paid is named twice, by the key and in custody,
+/// both found by the one statement that derives every key's expected amount.
+#[tokio::test]
+async fn replay_verify_names_a_key_credited_twice_by_its_key_and_in_custody() {
+    let db = TestDb::new().await;
+    let sim = BitcoinSim::start().await;
+    let address = sim.address(AddrKind::P2wpkh, 4);
+    new_account(&db, "alice", &address, 0).await;
+    let paid = sim.pay(&[(address.clone(), Sats::from_sat(5_000))]);
+    sim.mine(&[paid]);
+    sim.mine_empty(1);
+    assert_eq!(scan_and_post(&db, &sim).await.posted, 1);
+    let mut pooled = db.pool.get().await.unwrap();
+    assert!(custodian_projections::replay::verify(&mut pooled).await.unwrap().verified());
+
+    // As the owner: a second credit under the same key, balanced, naming the same observation.
+    let owner = db.owner_client().await;
+    let key: String =
+        owner.query_one("select deposit_key from ledger_transfer where kind = 'deposit'", &[]).await.unwrap().get(0);
+    owner
+        .batch_execute(&format!(
+            "begin;
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  select '{key}:credit:2', 'deposit', deposit_key, reference from ledger_transfer where kind = 'deposit';
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', 'BTC', 'debit', 7),
+                  (currval('ledger_transfer_id_seq'), 'user:1', 'BTC', 'credit', 7);
+             commit;"
+        ))
+        .await
+        .unwrap();
+
+    let report = custodian_projections::replay::verify(&mut pooled).await.unwrap();
+    let named = |check: &str| -> Vec<String> {
+        report.differences.iter().filter(|d| d.check == check).map(|d| d.detail.clone()).collect()
+    };
+    assert_eq!(
+        named("deposit keys"),
+        [format!("{key} (BTC): the ledger holds 5007 under the key, the chain and the decisions say 5000")],
+        "{:#?}",
+        report.differences
+    );
+    assert_eq!(
+        named("custody"),
+        ["BTC: custody booked 5007 but the facts put 5000 there"],
+        "{:#?}",
+        report.differences
+    );
+    assert_eq!(report.differences.last().map(|d| d.check), Some("custody"), "custody is reported last");
+}
