@@ -4,6 +4,7 @@
 //! the root's (`tests/it/`).
 
 mod ledger;
+mod posting_pass;
 mod properties;
 #[allow(dead_code)]
 mod support;

@@ -1,0 +1,151 @@
+//! The posting pass's reads of `deposit_status` after every scan step: the same rows as the view
+//! filtered whole, derived for the few observations that can be among them, not for every deposit
+//! ever observed.
+
+use custodian_projections::posting;
+use custodian_testkit::fixtures::credit_eth;
+use custodian_testkit::TestDb;
+use serde_json::Value;
+
+/// The posting pass's statements as they were: filters on `deposit_status` over every
+/// observation. The definition the candidates must agree with.
+const DUE_WHOLE: &str = "
+select distinct on (s.deposit_key) s.deposit_key, s.block_hash, s.amount - s.custody_posted as owed
+  from deposit_status s
+ where s.chain = $1 and s.confirmed and s.account_id is not null and s.custody_posted < s.amount
+ order by s.deposit_key, s.height";
+const MISMATCHES_WHOLE: &str = "
+select s.deposit_key, s.block_hash
+  from deposit_status s
+ where s.chain = $1 and s.confirmed and s.custody_posted > 0
+   and (s.custody_posted <> s.amount or s.account_id is null
+        or s.credited_account not in ('user:' || s.account_id, 'treasury'))";
+
+/// How many times a plan's nodes read `relation`, over every loop.
+fn reads(plan: &Value, relation: &str) -> u64 {
+    let own = if plan["Relation Name"] == relation { plan["Actual Loops"].as_u64().unwrap() } else { 0 };
+    own + plan["Plans"].as_array().map_or(0, |children| children.iter().map(|c| reads(c, relation)).sum())
+}
+
+/// How many times `sql`, run for ETH, read `relation`.
+async fn lookups(client: &tokio_postgres::Client, sql: &str, relation: &str) -> u64 {
+    let explained: Value =
+        client.query_one(&format!("explain (analyze, format json) {sql}"), &[&"eth"]).await.unwrap().get(0);
+    reads(&explained[0]["Plan"], relation)
+}
+
+/// The rows of `sql` for ETH, each as `columns` (text), sorted.
+async fn rows(client: &tokio_postgres::Client, sql: &str, columns: &str) -> Vec<Vec<String>> {
+    let mut rows: Vec<Vec<String>> = client
+        .query(&format!("select {columns} from ({sql}) q"), &[&"eth"])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (0..row.len()).map(|i| row.get(i)).collect())
+        .collect();
+    rows.sort();
+    rows
+}
+
+#[tokio::test]
+async fn the_pass_derives_the_status_of_its_candidates_only_and_finds_what_the_whole_view_finds() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let owner = db.owner_client().await;
+    let accounts: Vec<i64> = client
+        .query("insert into account (external_ref) select 'pass-' || n from generate_series(1, 4) n returning id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    // 40 deposits observed and credited exactly: nothing to do for any of them.
+    for n in 0..40 {
+        credit_eth(&client, accounts[0], n, 1_000).await;
+    }
+    // And one of each case the pass acts on or reports, in the blocks of the credits above.
+    for (account, n) in [(accounts[1], 0), (accounts[2], 0), (accounts[3], 0)] {
+        credit_eth(&client, account, n, 1_000).await;
+    }
+    let key = |account: i64| format!("deposit:eth:0x{:064x}:native:0", 0x7e57_0000_0000u64 + account as u64 * 1000);
+    let block = |account: i64| format!("0x{:064x}", 0xb10c_0000_0000u64 + account as u64 * 1000);
+    let address = |account: i64| format!("0x{:040x}", 0xdead_0000_0000u64 + account as u64 * 1000);
+    owner
+        .batch_execute(&format!(
+            "-- every block deep below the tip
+             insert into chain_block (chain, height, block_hash, parent_hash)
+                  values ('eth', 5000000, '0x{tip:064x}', '0x{tip:064x}');
+             -- observed, not credited: due
+             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+                  values ('eth', '{b1}', '0x{due:064x}', 'native', 0, '{a1}', 'ETH', 700);
+             -- credited twice: more in custody than the chain paid
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  select '{k2}:credit:2', 'deposit', deposit_key, reference from ledger_transfer
+                   where idempotency_key = '{k2}:credit:1';
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 5),
+                  (currval('ledger_transfer_id_seq'), 'user:{u2}', 'ETH', 'credit', 5);
+             -- paid to the fourth customer's address, credited to the third customer
+             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+                  values ('eth', '{b1}', '0x{wrong:064x}', 'native', 0, '{a3}', 'ETH', 300);
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  values ('deposit:eth:0x{wrong:064x}:native:0:credit:1', 'deposit', 'deposit:eth:0x{wrong:064x}:native:0',
+                          jsonb_build_object('chain', 'eth', 'tx_hash', '0x{wrong:064x}', 'kind', 'native',
+                                             'output_index', 0, 'block_hash', '{b1}'));
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 300),
+                  (currval('ledger_transfer_id_seq'), 'user:{u2}', 'ETH', 'credit', 300);
+             -- credited, to an address nobody owns
+             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+                  values ('eth', '{b1}', '0x{nobody:064x}', 'native', 0, '0x{nobody:040x}', 'ETH', 400);
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  values ('deposit:eth:0x{nobody:064x}:native:0:credit:1', 'deposit', 'deposit:eth:0x{nobody:064x}:native:0',
+                          jsonb_build_object('chain', 'eth', 'tx_hash', '0x{nobody:064x}', 'kind', 'native',
+                                             'output_index', 0, 'block_hash', '{b1}'));
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 400),
+                  (currval('ledger_transfer_id_seq'), 'treasury', 'ETH', 'credit', 400);",
+            tip = 0x71f_u64,
+            due = 0xd0e_u64,
+            wrong = 0x3707_u64,
+            nobody = 0x0b0d_u64,
+            b1 = block(accounts[1]),
+            a1 = address(accounts[1]),
+            a3 = address(accounts[3]),
+            k2 = key(accounts[2]),
+            u2 = accounts[2],
+        ))
+        .await
+        .unwrap();
+    db.owner_client().await.batch_execute("analyze").await.unwrap();
+
+    const DUE_COLUMNS: &str = "deposit_key, block_hash, owed::text";
+    let due = rows(&client, DUE_WHOLE, DUE_COLUMNS).await;
+    assert_eq!(due, [[format!("deposit:eth:0x{:064x}:native:0", 0xd0e), block(accounts[1]), "700".to_owned()]]);
+    assert_eq!(rows(&client, &posting::due(), DUE_COLUMNS).await, due);
+    let mismatched = rows(&client, MISMATCHES_WHOLE, "deposit_key").await;
+    assert_eq!(
+        mismatched,
+        [
+            [format!("deposit:eth:0x{:064x}:native:0", 0x0b0d)],
+            [format!("deposit:eth:0x{:064x}:native:0", 0x3707)],
+            [key(accounts[2])],
+        ],
+        "to nobody's address, to another customer, credited twice"
+    );
+    assert_eq!(rows(&client, &posting::mismatches(), "deposit_key").await, mismatched);
+
+    // 46 observations. Filtered whole, each statement derives the status of every one of them (a
+    // tier lookup in `confirmation_policy` for each); the pass derives the status of its
+    // candidates: the one observation owed money, and the three keys holding something other than
+    // their observations say.
+    const TIERS: &str = "confirmation_policy";
+    assert!(lookups(&client, DUE_WHOLE, TIERS).await >= 46, "the whole view is the measure");
+    let due_lookups = lookups(&client, &posting::due(), TIERS).await;
+    assert!(due_lookups <= 2, "due: {due_lookups} tier lookups for 1 candidate");
+    let mismatch_lookups = lookups(&client, &posting::mismatches(), TIERS).await;
+    assert!(mismatch_lookups <= 2 * 3, "mismatches: {mismatch_lookups} tier lookups for 3 candidates");
+    // deposit_lost derives the owner of the observations on orphaned blocks only: here, none.
+    let owners = lookups(&client, "select * from deposit_lost where chain = $1", "wallet_address").await;
+    assert_eq!(owners, 0, "no block is orphaned, yet deposit_lost looked up {owners} owners");
+}
