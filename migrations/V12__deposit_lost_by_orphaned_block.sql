@@ -10,7 +10,8 @@
 -- orphaned blocks are found by a join of deposit_event with the orphaned blocks, and each is
 -- derived through deposit_status by its chain, block and transaction (columns the view's window
 -- is partitioned by, so they reach deposit_event's unique index): `offset 0` keeps the lateral
--- subquery parameterised instead of joined whole.
+-- subquery parameterised instead of joined whole. A key observed on two orphaned blocks of one
+-- height (a height reorged twice) now keeps the later observation; V4 left the choice to the plan.
 
 create or replace view deposit_lost as
 select s.deposit_key, s.chain, s.tx_hash, s.kind, s.output_index, s.block_hash, s.height, s.asset,
@@ -25,7 +26,7 @@ select s.deposit_key, s.chain, s.tx_hash, s.kind, s.output_index, s.block_hash, 
                 where o.chain = d.chain and o.block_hash = d.block_hash and o.tx_hash = d.tx_hash and o.id = d.id
                offset 0
          ) o
-         order by o.deposit_key, o.height desc) s
+         order by o.deposit_key, o.height desc, o.id desc) s
   join chain_tip tip on tip.chain = s.chain
   cross join lateral (
         select max(b2.height) as old_tip

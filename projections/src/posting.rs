@@ -64,9 +64,10 @@ select r.id, 'closed', 'custodian',
  where r.chain = $1 and not exists (select 1 from reversal_decision x where x.proposal_id = r.id)
 on conflict (proposal_id) do nothing";
 
-/// Per deposit key of chain $1, from every posting at once (a hash join): what custody holds
-/// (`deposit_status.custody_posted`, which the view sums key by key) and every ledger account a
-/// credit of the key credited.
+/// Per deposit key of chain $1 with postings, from every posting at once (one join, not a probe
+/// per key): what custody holds (null if nothing: `deposit_status.custody_posted` before its
+/// `coalesce`, which the view sums key by key) and every ledger account a credit of the key
+/// credited (`credited_account` is one of them).
 const KEYS_BOOKED: &str = "
 select t.deposit_key,
        sum(case when p.ledger_account = 'custody' then

@@ -505,7 +505,7 @@ pub async fn verify(client: &mut deadpool_postgres::Object) -> Result<VerifyRepo
     for row in tx.query(&posting_diff(), &legs.params()).await? {
         report.differ("posting set", keyed(&row));
     }
-    // Custody's differences are reported last, after the transfers' balance they follow from.
+    // Custody's differences are reported after the transfers' balance they follow from, as before.
     let mut custody = Vec::new();
     for row in tx.query(&keys_and_custody(), &legs.params()).await? {
         let [check, key, asset, booked, expected] = cells(&row);

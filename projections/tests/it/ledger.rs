@@ -165,8 +165,8 @@ async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
     );
 }
 
-/// A deposit key credited beyond what the chain paid is named twice, by the key and in custody,
-/// both found by the one statement that derives every key's expected amount.
+/// A deposit key credited beyond what the chain paid is named twice, by the key and in custody
+/// (since 2573623 both come from one statement; this pins what it must still report).
 #[tokio::test]
 async fn replay_verify_names_a_key_credited_twice_by_its_key_and_in_custody() {
     let db = TestDb::new().await;
@@ -213,5 +213,5 @@ async fn replay_verify_names_a_key_credited_twice_by_its_key_and_in_custody() {
         "{:#?}",
         report.differences
     );
-    assert_eq!(report.differences.last().map(|d| d.check), Some("custody"), "custody is reported last");
+    assert_eq!(report.differences.last().map(|d| d.check), Some("custody"), "custody after the transfers' balance");
 }

@@ -59,9 +59,10 @@ async fn the_pass_derives_the_status_of_its_candidates_only_and_finds_what_the_w
         .iter()
         .map(|row| row.get(0))
         .collect();
-    // 40 deposits observed and credited exactly: nothing to do for any of them.
+    // 40 deposits observed and credited exactly: nothing to do for any of them. Each amount its
+    // own, so that no plan can answer one tier lookup for several of them.
     for n in 0..40 {
-        credit_eth(&client, accounts[0], n, 1_000).await;
+        credit_eth(&client, accounts[0], n, 1_000 + u128::from(n)).await;
     }
     // And one of each case the pass acts on or reports, in the blocks of the credits above.
     for (account, n) in [(accounts[1], 0), (accounts[2], 0), (accounts[3], 0)] {
