@@ -22,6 +22,12 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
 }
 
+/// `part / whole` with two decimals, in integers.
+fn ratio(part: u128, whole: u128) -> String {
+    let hundredths = part * 100 / whole.max(1);
+    format!("{}.{:02}", hundredths / 100, hundredths % 100)
+}
+
 fn per_second(count: u64, elapsed: Duration) -> u64 {
     (u128::from(count) * 1_000_000 / elapsed.as_micros().max(1)) as u64
 }
@@ -122,15 +128,13 @@ async fn main() {
     let replay_rate = per_second(verified.facts_read, replay_time);
     println!("  sequential read (ceiling): {scan_rows} rows in {scan_time:.2?} = {scan_rate} rows/s");
     println!(
-        "  a posting pass with nothing to post, both chains (after every scan step): {steady_time:.2?} = {}.{:02}x \
+        "  a posting pass with nothing to post, both chains (after every scan step): {steady_time:.2?} = {}x \
          the sequential read's time",
-        steady_time.as_millis() * 100 / scan_time.as_millis().max(1) / 100,
-        steady_time.as_millis() * 100 / scan_time.as_millis().max(1) % 100
+        ratio(steady_time.as_millis(), scan_time.as_millis())
     );
     println!("  replay --verify:           {} facts in {replay_time:.2?} = {replay_rate} facts/s", verified.facts_read);
     println!(
-        "  ratio: {}.{:02} of the sequential read (target >= 0.25)",
-        replay_rate * 100 / scan_rate / 100,
-        replay_rate * 100 / scan_rate % 100
+        "  ratio: {} of the sequential read (target >= 0.25)",
+        ratio(u128::from(replay_rate), u128::from(scan_rate))
     );
 }

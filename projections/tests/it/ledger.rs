@@ -115,11 +115,12 @@ async fn deposits_credit_whoever_owned_the_address_at_the_deposit_height() {
     assert_eq!(available(&db, new).await, "6000");
 }
 
-#[tokio::test]
-async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
+/// A database where alice's address (the simulator's P2WPKH address `index`) received 5,000 sat,
+/// scanned, credited and verified by replay; with the simulator and a pooled connection.
+async fn one_deposit_credited_and_verified(index: u32) -> (TestDb, BitcoinSim, deadpool_postgres::Object) {
     let db = TestDb::new().await;
     let sim = BitcoinSim::start().await;
-    let address = sim.address(AddrKind::P2wpkh, 3);
+    let address = sim.address(AddrKind::P2wpkh, index);
     new_account(&db, "alice", &address, 0).await;
     let paid = sim.pay(&[(address.clone(), Sats::from_sat(5_000))]);
     sim.mine(&[paid]);
@@ -127,6 +128,12 @@ async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
     assert_eq!(scan_and_post(&db, &sim).await.posted, 1);
     let mut pooled = db.pool.get().await.unwrap();
     assert!(custodian_projections::replay::verify(&mut pooled).await.unwrap().verified());
+    (db, sim, pooled)
+}
+
+#[tokio::test]
+async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
+    let (db, _sim, mut pooled) = one_deposit_credited_and_verified(3).await;
 
     // As a superuser, past the triggers that refuse both: a third leg on the deposit's transfer,
     // and a transfer with no postings at all.
@@ -169,16 +176,7 @@ async fn replay_verify_names_an_unbalanced_transfer_and_one_without_postings() {
 /// (since 2573623 both come from one statement; this pins what it must still report).
 #[tokio::test]
 async fn replay_verify_names_a_key_credited_twice_by_its_key_and_in_custody() {
-    let db = TestDb::new().await;
-    let sim = BitcoinSim::start().await;
-    let address = sim.address(AddrKind::P2wpkh, 4);
-    new_account(&db, "alice", &address, 0).await;
-    let paid = sim.pay(&[(address.clone(), Sats::from_sat(5_000))]);
-    sim.mine(&[paid]);
-    sim.mine_empty(1);
-    assert_eq!(scan_and_post(&db, &sim).await.posted, 1);
-    let mut pooled = db.pool.get().await.unwrap();
-    assert!(custodian_projections::replay::verify(&mut pooled).await.unwrap().verified());
+    let (db, _sim, mut pooled) = one_deposit_credited_and_verified(4).await;
 
     // As the owner: a second credit under the same key, balanced, naming the same observation.
     let owner = db.owner_client().await;

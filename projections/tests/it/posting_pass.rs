@@ -71,6 +71,22 @@ async fn the_pass_derives_the_status_of_its_candidates_only_and_finds_what_the_w
     let key = |account: i64| format!("deposit:eth:0x{:064x}:native:0", 0x7e57_0000_0000u64 + account as u64 * 1000);
     let block = |account: i64| format!("0x{:064x}", 0xb10c_0000_0000u64 + account as u64 * 1000);
     let address = |account: i64| format!("0x{:040x}", 0xdead_0000_0000u64 + account as u64 * 1000);
+    // An observation of transaction `tx` paying `amount` to `to`, in the second customer's block,
+    // and its first credit, to `credited`.
+    let observed_and_credited = |tx: u64, to: &str, amount: u32, credited: &str| {
+        let (block, tx) = (block(accounts[1]), format!("0x{tx:064x}"));
+        format!(
+            "insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+                  values ('eth', '{block}', '{tx}', 'native', 0, '{to}', 'ETH', {amount});
+             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
+                  values ('deposit:eth:{tx}:native:0:credit:1', 'deposit', 'deposit:eth:{tx}:native:0',
+                          jsonb_build_object('chain', 'eth', 'tx_hash', '{tx}', 'kind', 'native',
+                                             'output_index', 0, 'block_hash', '{block}'));
+             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
+                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', {amount}),
+                  (currval('ledger_transfer_id_seq'), '{credited}', 'ETH', 'credit', {amount});"
+        )
+    };
     owner
         .batch_execute(&format!(
             "-- every block deep below the tip
@@ -87,34 +103,17 @@ async fn the_pass_derives_the_status_of_its_candidates_only_and_finds_what_the_w
                   (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 5),
                   (currval('ledger_transfer_id_seq'), 'user:{u2}', 'ETH', 'credit', 5);
              -- paid to the fourth customer's address, credited to the third customer
-             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
-                  values ('eth', '{b1}', '0x{wrong:064x}', 'native', 0, '{a3}', 'ETH', 300);
-             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
-                  values ('deposit:eth:0x{wrong:064x}:native:0:credit:1', 'deposit', 'deposit:eth:0x{wrong:064x}:native:0',
-                          jsonb_build_object('chain', 'eth', 'tx_hash', '0x{wrong:064x}', 'kind', 'native',
-                                             'output_index', 0, 'block_hash', '{b1}'));
-             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
-                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 300),
-                  (currval('ledger_transfer_id_seq'), 'user:{u2}', 'ETH', 'credit', 300);
+             {wrong}
              -- credited, to an address nobody owns
-             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
-                  values ('eth', '{b1}', '0x{nobody:064x}', 'native', 0, '0x{nobody:040x}', 'ETH', 400);
-             insert into ledger_transfer (idempotency_key, kind, deposit_key, reference)
-                  values ('deposit:eth:0x{nobody:064x}:native:0:credit:1', 'deposit', 'deposit:eth:0x{nobody:064x}:native:0',
-                          jsonb_build_object('chain', 'eth', 'tx_hash', '0x{nobody:064x}', 'kind', 'native',
-                                             'output_index', 0, 'block_hash', '{b1}'));
-             insert into ledger_posting (transfer_id, ledger_account, asset, direction, amount) values
-                  (currval('ledger_transfer_id_seq'), 'custody', 'ETH', 'debit', 400),
-                  (currval('ledger_transfer_id_seq'), 'treasury', 'ETH', 'credit', 400);",
+             {nobody}",
             tip = 0x71f_u64,
             due = 0xd0e_u64,
-            wrong = 0x3707_u64,
-            nobody = 0x0b0d_u64,
             b1 = block(accounts[1]),
             a1 = address(accounts[1]),
-            a3 = address(accounts[3]),
             k2 = key(accounts[2]),
             u2 = accounts[2],
+            wrong = observed_and_credited(0x3707, &address(accounts[3]), 300, &format!("user:{}", accounts[2])),
+            nobody = observed_and_credited(0x0b0d, &format!("0x{:040x}", 0x0b0d), 400, "treasury"),
         ))
         .await
         .unwrap();
