@@ -2,7 +2,8 @@
 //!
 //! 1,000,000 deposit events over 100,000 addresses and 20,000 accounts (5 addresses each, 10
 //! deposits per address, 100 per block): one account's balance query p50 and p99, a full posting
-//! pass, a pass with nothing to post (what every scan step costs) beside the sequential read, and
+//! pass, the passes after every scan step with nothing to post (whole, and since the previous one
+//! with nothing new and with 6,400 deposits within the tip's reach) beside the sequential read, and
 //! `replay --verify` throughput in facts/s beside a plain sequential read of the same
 //! tables over the same connection. `LEDGER_DEPOSITS` and `LEDGER_ACCOUNTS` shrink the run (`make
 //! test` runs it small, so that the bench cannot stop working unseen).
@@ -58,6 +59,43 @@ async fn prepare(db: &TestDb, accounts: i64, deposits: i64) {
     db.owner_client().await.batch_execute("analyze").await.unwrap();
 }
 
+/// Runs the next pass of each chain, which must be `whole` or not, post nothing and find nothing
+/// amiss; how long both took.
+async fn passes_of_both_chains(
+    client: &deadpool_postgres::Client,
+    passes: &mut [posting::ChainPasses; 2],
+    whole: bool,
+) -> Duration {
+    let started = Instant::now();
+    for chain_passes in passes.iter_mut() {
+        let (report, was_whole) = chain_passes.run(client).await.unwrap();
+        assert_eq!(was_whole, whole);
+        assert_eq!((report.posted, report.mismatches.len()), (0, 0), "everything was posted, as observed");
+    }
+    started.elapsed()
+}
+
+/// 64 blocks of 100 deposits of 100 ETH on top of the chain, none confirmed (64 due): the tip's
+/// reach of a chain taking 100 deposits a block. How many.
+async fn within_reach(db: &TestDb, deposits: i64) -> i64 {
+    let first = deposits / DEPOSITS_PER_BLOCK + 65;
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "insert into chain_block (chain, height, block_hash, parent_hash)
+             select 'eth', h, '0x' || lpad(to_hex(h), 64, '0'), '0x' || lpad(to_hex(h - 1), 64, '0')
+               from generate_series({first}, {first} + 63) h;
+             insert into deposit_event (chain, block_hash, tx_hash, kind, output_index, address, asset, amount)
+             select 'eth', '0x' || lpad(to_hex({first} + n / {DEPOSITS_PER_BLOCK}), 64, '0'),
+                    '0xcd' || lpad(to_hex(n), 62, '0'), 'native', 0, '0x' || lpad(to_hex(n % 100 + 1), 40, '0'),
+                    'ETH', 100000000000000000000 + n
+               from generate_series(0, 64 * {DEPOSITS_PER_BLOCK} - 1) n;"
+        ))
+        .await
+        .unwrap();
+    64 * DEPOSITS_PER_BLOCK
+}
+
 async fn sequential_read(db: &TestDb) -> (u64, Duration) {
     let client = db.pool.get().await.unwrap();
     let started = Instant::now();
@@ -97,11 +135,18 @@ async fn main() {
     assert_eq!(report.posted as i64, deposits, "every deposit is confirmed and attributed");
     db.owner_client().await.batch_execute("vacuum analyze").await.unwrap();
 
-    // What every scan step of every chain costs from now on: a pass with nothing to post.
-    let started = Instant::now();
-    let again = posting::post_all(&client).await.unwrap();
-    let steady_time = started.elapsed();
-    assert_eq!((again.posted, again.mismatches.len()), (0, 0), "everything was posted, as observed");
+    // What a scan step of each chain costs from now on, as the service posts: a whole pass with
+    // nothing to post (the first, then at least every ten minutes) ...
+    let mut passes = Chain::ALL.map(|chain| posting::ChainPasses::new(chain, posting::WHOLE_PASS_EVERY));
+    let steady_time = passes_of_both_chains(&client, &mut passes, true).await;
+    // ... and in between, a pass since the previous one began: with nothing new (no deposit within
+    // the tip's reach: the top 64 blocks are empty) ...
+    let since_idle = passes_of_both_chains(&client, &mut passes, false).await;
+    // ... and with a reach full of deposits still short of their count: 64 more blocks of 100
+    // deposits of 100 ETH (64 confirmations due), read once as new, then as within reach.
+    let reach = within_reach(&db, deposits).await;
+    passes_of_both_chains(&client, &mut passes, false).await;
+    let since_busy = passes_of_both_chains(&client, &mut passes, false).await;
 
     let mut samples = Vec::with_capacity(BALANCE_SAMPLES);
     for i in 0..BALANCE_SAMPLES {
@@ -131,6 +176,12 @@ async fn main() {
         "  a posting pass with nothing to post, both chains (after every scan step): {steady_time:.2?} = {}x \
          the sequential read's time",
         ratio(steady_time.as_millis(), scan_time.as_millis())
+    );
+    println!(
+        "  between whole passes, a pass since the previous one, both chains: {since_idle:.2?} with nothing new = {}x \
+         the sequential read's time; {since_busy:.2?} with {reach} deposits within the tip's reach = {}x",
+        ratio(since_idle.as_millis(), scan_time.as_millis()),
+        ratio(since_busy.as_millis(), scan_time.as_millis())
     );
     println!("  replay --verify:           {} facts in {replay_time:.2?} = {replay_rate} facts/s", verified.facts_read);
     println!(

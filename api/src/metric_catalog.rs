@@ -95,6 +95,11 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
     ("custodian_nonce_too_low_total", Kind::Counter, "broadcasts answered 'nonce too low', per hot-wallet address"),
     ("custodian_paused_lanes", Kind::Gauge, "hot-wallet lanes currently paused"),
     (
+        "custodian_posting_passes_total",
+        Kind::Counter,
+        "posting passes after scan steps, per chain and scope (whole: every key; since: what changed since the previous pass)",
+    ),
+    (
         "custodian_reconciliation_difference",
         Kind::Gauge,
         "1 while an asset's ledger and chain disagree at the last reconciliation, per asset",

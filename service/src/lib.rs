@@ -89,7 +89,7 @@ impl Service {
         let state = StateHandle::new(Mutex::new(ScannerState::Starting));
         self.scanners.push((chain, state.clone()));
         let scanner = Scanner::new(reader, self.pool.clone(), config)
-            .with_after_step(Arc::new(posting::PostAfterStep(self.pool.clone())))
+            .with_after_step(Arc::new(posting::PostAfterStep::new(self.pool.clone())))
             .with_state(state);
         let stopped = self.stopped.clone();
         self.spawn(format!("the {chain} scanner"), false, async move {

@@ -128,7 +128,7 @@ pub async fn scan(settings: &Settings, chain: Chain, once: bool, from_height: Op
 /// handled a reorg.
 fn posting_scanner<R: ChainReader>(reader: R, pool: custodian_store::Pool, config: ScanConfig) -> Scanner<R> {
     Scanner::new(reader, pool.clone(), config)
-        .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep(pool)))
+        .with_after_step(std::sync::Arc::new(custodian_service::posting::PostAfterStep::new(pool)))
 }
 
 async fn run<R: ChainReader>(settings: &Settings, scanner: Scanner<R>, once: bool) -> Result<Exit> {

@@ -15,10 +15,15 @@ pub fn reader(sim: &BitcoinSim) -> BtcReader {
     BtcReader::new(&sim.url(), auth, BtcNetwork::Regtest).unwrap()
 }
 
-/// Scans the simulator to its tip and posts, as `custodian scan` does after every step.
-pub async fn scan_and_post(db: &TestDb, sim: &BitcoinSim) -> posting::PostingReport {
+/// Scans the simulator to its tip, five blocks a step.
+pub async fn scan(db: &TestDb, sim: &BitcoinSim) {
     let config = ScanConfig { batch_blocks: 5, retention_blocks: 50, ..ScanConfig::default() };
     Scanner::new(reader(sim), db.pool.clone(), config).run_to_tip(&NoProgress).await.expect("scan");
+}
+
+/// Scans the simulator to its tip and posts, as `custodian scan` does after every step.
+pub async fn scan_and_post(db: &TestDb, sim: &BitcoinSim) -> posting::PostingReport {
+    scan(db, sim).await;
     posting::post_chain(&db.pool.get().await.unwrap(), Chain::Btc).await.expect("post")
 }
 
