@@ -20,6 +20,16 @@ pub type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
 /// Parameters of one statement, owned: for a write made while the transaction runs.
 pub type OwnedParams = Vec<Box<dyn ToSql + Sync + Send>>;
 
+/// What the producer of [`Pipelined::commit_produced`] gives next.
+pub enum Produced {
+    /// A statement's parameters: the write is sent at once.
+    Write(OwnedParams),
+    /// No more writes: the tail and `COMMIT` follow.
+    Done,
+    /// Nothing of this transaction may stay: `ROLLBACK` follows the writes already sent.
+    Abandon,
+}
+
 /// One pooled connection inside a pipelined transaction.
 ///
 /// # Cancel safety
@@ -173,21 +183,27 @@ impl Pipelined {
 
     /// Runs `statement` once for each parameter set `next` makes, sending each as soon as it is
     /// made, so the server executes one write while `next` prepares the one after (signs it, say);
-    /// then `tail` and `COMMIT` behind the last, in the same round trip. Returns the rows each
-    /// write and each of `tail` affected. `Ok` means committed.
+    /// then, once `next` says [`Produced::Done`], `tail` and `COMMIT` behind the last, in the same
+    /// round trip. Returns the rows each write and each of `tail` affected: `Some` means committed.
+    /// When `next` says [`Produced::Abandon`] instead, `ROLLBACK` follows the writes already sent
+    /// and the answer is `None`: nothing was committed.
     pub async fn commit_produced(
         mut self,
         statement: &Statement,
-        mut next: impl FnMut() -> Option<OwnedParams>,
+        mut next: impl FnMut() -> Produced,
         tail: &[(&Statement, Params<'_>)],
-    ) -> Result<Vec<u64>, Error> {
+    ) -> Result<Option<Vec<u64>>, Error> {
         use futures::StreamExt;
-        let (affected, committed) = {
+        let ended = {
             let client = self.client();
             let mut in_flight = futures::stream::FuturesOrdered::new();
             let mut answered = Vec::new();
-            while let Some(params) = next() {
-                in_flight.push_back(client.execute_raw(statement, params));
+            let commit = loop {
+                match next() {
+                    Produced::Write(params) => in_flight.push_back(client.execute_raw(statement, params)),
+                    Produced::Done => break true,
+                    Produced::Abandon => break false,
+                }
                 // Polled once, the write is on its way; answers that already came are kept.
                 futures::future::poll_fn(|cx| {
                     while let std::task::Poll::Ready(Some(answer)) = in_flight.poll_next_unpin(cx) {
@@ -196,19 +212,28 @@ impl Pipelined {
                     std::task::Poll::Ready(())
                 })
                 .await;
+            };
+            if commit {
+                let tail = futures::future::join_all(tail.iter().map(|(s, p)| client.execute(*s, p)));
+                let (rest, tail, committed) =
+                    futures::join!(in_flight.collect::<Vec<_>>(), tail, client.batch_execute("commit"));
+                // The first error is what failed: every statement after it, and the commit, failed
+                // (or rolled back) because of it.
+                answered
+                    .into_iter()
+                    .chain(rest)
+                    .chain(tail)
+                    .collect::<Result<Vec<u64>, Error>>()
+                    .and_then(|affected| committed.map(|()| Some(affected)))
+            } else {
+                // What the writes answered no longer matters: none of it stays.
+                let (_, rolled_back) = futures::join!(in_flight.collect::<Vec<_>>(), client.batch_execute("rollback"));
+                rolled_back.map(|()| None)
             }
-            let tail = futures::future::join_all(tail.iter().map(|(s, p)| client.execute(*s, p)));
-            let (rest, tail, committed) =
-                futures::join!(in_flight.collect::<Vec<_>>(), tail, client.batch_execute("commit"));
-            // The first error is what failed: every statement after it, and the commit, failed
-            // (or rolled back) because of it.
-            let affected = answered.into_iter().chain(rest).chain(tail).collect::<Result<Vec<u64>, Error>>();
-            (affected, committed)
         };
+        // Every request was answered: the transaction is over either way.
         self.finish();
-        let affected = affected?;
-        committed?;
-        Ok(affected)
+        ended
     }
 
     /// Ends the transaction without writing anything.

@@ -788,6 +788,49 @@ async fn a_backlog_is_signed_several_full_batches_to_a_commit_and_a_partial_last
     assert_eq!((due.signed, due.short_lanes.len()), (0, 1), "{due:?}");
 }
 
+/// Later batches of an allocation are checked against their event streams while the earlier ones
+/// are being written: a row changed behind its events in the second or third batch still leaves
+/// nothing signed, stored or reserved, every such row in review and the lane paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_changed_behind_its_events_in_a_later_batch_leaves_the_whole_allocation_unsigned() {
+    let p = Payouts::new(1, 4, 1_000_000, 50_000_000).await;
+    let config = BtcConfig { batch_max: 3, batches_per_commit: 3, ..quick(BtcConfig::default()) };
+    let worker =
+        BtcWorker::new(p.db.pool.clone(), p.worker(BtcConfig::default()).node().clone(), p.keys.clone(), config);
+    let mut ids = Vec::new();
+    for n in 1..=9u32 {
+        let to = p.sim.address(AddrKind::P2wpkh, n);
+        ids.push(p.request(&format!("w{n}"), &to, 100_000).await.unwrap().withdrawal.id().get());
+    }
+    let mallory = p.sim.address(AddrKind::P2wpkh, 666).to_string();
+    // The fifth (second batch) and the eighth (third batch), written as the schema owner with the
+    // table's guard switched off.
+    p.db.owner_client()
+        .await
+        .batch_execute(&format!(
+            "alter table withdrawal disable trigger withdrawal_request_immutable;
+             update withdrawal set destination = '{mallory}' where id in ({}, {});
+             alter table withdrawal enable trigger withdrawal_request_immutable;",
+            ids[4], ids[7]
+        ))
+        .await
+        .unwrap();
+    let report = worker.allocate_lane("b0").await.unwrap();
+    assert_eq!(report.signed, 0, "nothing is signed: {report:?}");
+    let client = p.db.client().await;
+    for table in ["btc_spend", "btc_attempt", "utxo_reservation", "btc_spend_payout", "btc_change_address"] {
+        let rows: i64 = client.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0);
+        assert_eq!(rows, 0, "{table} holds nothing");
+    }
+    for (n, id) in ids.iter().enumerate() {
+        let want = if n == 4 || n == 7 { WithdrawalState::NeedsReview } else { WithdrawalState::Requested };
+        assert_eq!(p.load(*id).await.state(), want, "withdrawal {}", n + 1);
+    }
+    let lanes = hot_wallet::lanes_on::<BtcAddress, _>(&p.db.pool.get().await.unwrap()).await.unwrap();
+    assert!(lanes.iter().any(|l| l.lane == "b0" && l.pause_reason.is_some()), "the lane paused: {lanes:?}");
+    assert_eq!(worker.allocate_lane("b0").await.unwrap().signed, 0, "a paused lane signs nothing");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn custodian_work_pays_btc_with_a_key_file_from_the_configuration() {
     let p = Payouts::new(1, 2, 1_000_000, 50_000_000).await;

@@ -22,6 +22,7 @@ use bitcoin::consensus::{deserialize, serialize};
 use bitcoin::{OutPoint, ScriptBuf, Transaction, Txid};
 use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_domain::{Amount, BlockHash, BtcAddress, BtcNetwork, Chain, ChainAddress, TxHash};
+use custodian_store::pipeline::Produced;
 use custodian_store::{Pipelined, Pool};
 use deadpool_postgres::GenericClient;
 use tokio::sync::watch;
@@ -261,10 +262,32 @@ fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> O
     })
 }
 
-/// One batch's share of an allocation: `take` withdrawals of the ready list from `start`, paid
-/// by `spent` with `change` back to us and `fee` to the network.
+/// `rows` (the lock's, withdrawal columns from 4) checked against their event streams and their
+/// destinations read again against `network` (a row written by hand may name another's): those
+/// that may be signed, in order, and those that may not, with why.
+fn verify_rows(
+    rows: &[&tokio_postgres::Row],
+    network: BtcNetwork,
+) -> (Vec<(Withdrawal, ScriptBuf)>, Vec<(i64, String)>) {
+    let mut ready = Vec::with_capacity(rows.len());
+    let mut tampered = Vec::new();
+    for row in rows {
+        match verified_request(row, 4) {
+            Ok(w) => match BtcAddress::parse(&w.destination().stored(), network) {
+                Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
+                Err(e) => {
+                    tampered.push((w.id().get(), format!("its destination cannot be paid: {e}; nothing was signed")))
+                }
+            },
+            Err((id, reason)) => tampered.push((id, reason)),
+        }
+    }
+    (ready, tampered)
+}
+
+/// One batch's share of an allocation: the first `take` withdrawals of its batch, paid by `spent`
+/// with `change` back to us and `fee` to the network.
 struct Plan {
-    start: usize,
     take: usize,
     spent: Vec<Coin>,
     change: Option<u64>,
@@ -273,11 +296,11 @@ struct Plan {
 
 impl Plan {
     /// The plan `selection` (of `coins`) makes, with its coins taken out of `coins`.
-    fn take(coins: &mut Vec<Coin>, start: usize, take: usize, selection: &tx::Selection) -> Plan {
+    fn take(coins: &mut Vec<Coin>, take: usize, selection: &tx::Selection) -> Plan {
         let spent: Vec<Coin> = selection.coins.iter().map(|i| coins[*i].clone()).collect();
         let reserved: HashSet<OutPoint> = spent.iter().map(|c| c.outpoint).collect();
         coins.retain(|c| !reserved.contains(&c.outpoint));
-        Plan { start, take, spent, change: selection.change, fee: selection.fee }
+        Plan { take, spent, change: selection.change, fee: selection.fee }
     }
 }
 
@@ -569,21 +592,14 @@ impl BtcWorker {
         }
         // The cache is keyed by the canonical tip block: a reorg, even to the same height, reads again.
         let at = tip_hash.unwrap_or_default();
-        let mut ready: Vec<(Withdrawal, ScriptBuf)> = Vec::new();
-        let mut tampered = Vec::new();
-        for row in &waiting[..going] {
-            match verified_request(row, 4) {
-                // Read again against the network: a row written by hand may name another's.
-                Ok(w) => match BtcAddress::parse(&w.destination().stored(), self.config.network) {
-                    Ok(destination) => ready.push((w, destination.as_bitcoin().script_pubkey())),
-                    Err(e) => tampered
-                        .push((w.id().get(), format!("its destination cannot be paid: {e}; nothing was signed"))),
-                },
-                Err((id, reason)) => tampered.push((id, reason)),
-            }
-        }
+        let going = &waiting[..going];
+        // The first batch is checked against its event streams before anything is signed; each
+        // later one while the server stores the batches before it. A row changed behind its
+        // events anywhere in the allocation leaves all of it unsigned and uncommitted.
+        let (oldest, tampered) = verify_rows(&going[..batch_max.min(going.len())], self.config.network);
         if !tampered.is_empty() {
             tx.rollback().await?;
+            let (_, tampered) = verify_rows(going, self.config.network);
             crate::worker::review_tampered(&self.pool, "btc", lane.lane.as_str(), tampered).await?;
             return Ok(());
         }
@@ -596,14 +612,13 @@ impl BtcWorker {
             Some(coins) => coins,
             None => read_coins(&tx, &spendable, lane.lane.as_str()).await?,
         };
-        let oldest = &ready[..batch_max.min(ready.len())];
-        let mut chosen = choose(&coins, oldest, rate);
+        let mut chosen = choose(&coins, &oldest, rate);
         if !fresh && chosen.as_ref().is_none_or(|(take, _)| *take < oldest.len()) {
             coins = read_coins(&tx, &spendable, lane.lane.as_str()).await?;
-            chosen = choose(&coins, oldest, rate);
+            chosen = choose(&coins, &oldest, rate);
         }
-        let Some(chosen) = chosen else {
-            let needed: u64 = ready.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
+        let Some((take, selection)) = chosen else {
+            let needed: u64 = oldest.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
             let held: u64 = coins.iter().map(|c| c.amount).sum();
             let short = format!(
                 "{} spendable satoshis in {} coins do not pay even the oldest withdrawal ({needed} satoshis plus fee)",
@@ -620,35 +635,45 @@ impl BtcWorker {
             return Ok(());
         };
         // Each further batch chooses from what the ones before it left, and goes only if wholly
-        // paid: the rest waits for the next allocation, which reads the coins again if it must.
+        // paid (and only after a whole first batch): the rest waits for the next allocation, which
+        // reads the coins again if it must.
         let mut left = coins;
-        let (take, selection) = chosen;
-        let mut plans = vec![Plan::take(&mut left, 0, take, &selection)];
-        let mut start = take;
-        while take == oldest.len() && start < ready.len() {
-            let batch = &ready[start..(start + batch_max).min(ready.len())];
-            match choose(&left, batch, rate) {
-                Some((take, selection)) if take == batch.len() => {
-                    plans.push(Plan::take(&mut left, start, take, &selection));
-                    start += take;
-                }
-                _ => break,
-            }
-        }
+        let more = take == oldest.len();
+        let mut first = Some((oldest, Plan::take(&mut left, take, &selection)));
+        let mut next_row = first.as_ref().map_or(0, |(batch, _)| batch.len());
         let was_short = shortage.is_some();
         // Second round trip: each batch's writes, sent as soon as it is signed (the server stores
-        // one while the next is signed), the shortage cleared if there was one, and COMMIT.
+        // one while the next is checked, chosen and signed), the shortage cleared if there was one,
+        // and COMMIT.
         let mut change_cursor = next_change;
-        let mut batches = plans.iter();
         let mut sizes: Vec<usize> = Vec::new();
+        let network = self.config.network;
         let sign_next = || {
-            let plan = batches.next()?;
+            let (batch, plan) = match first.take() {
+                Some(first) => first,
+                None if !more || next_row >= going.len() => return Produced::Done,
+                None => {
+                    let (batch, tampered) =
+                        verify_rows(&going[next_row..(next_row + batch_max).min(going.len())], network);
+                    if !tampered.is_empty() {
+                        return Produced::Abandon;
+                    }
+                    match choose(&left, &batch, rate) {
+                        Some((take, selection)) if take == batch.len() => {
+                            next_row += take;
+                            let plan = Plan::take(&mut left, take, &selection);
+                            (batch, plan)
+                        }
+                        _ => return Produced::Done,
+                    }
+                }
+            };
             let change_index = plan.change.map(|_| change_cursor);
             change_cursor += i32::from(change_index.is_some());
-            let batch = &ready[plan.start..plan.start + plan.take];
+            let batch = &batch[..plan.take];
             sizes.push(batch.len());
-            Some(
-                SignedBatch::sign(key, batch, plan, (change_index, change_cursor), &lane.address, tip)
+            Produced::Write(
+                SignedBatch::sign(key, batch, &plan, (change_index, change_cursor), &lane.address, tip)
                     .into_params(lane.lane.as_str(), &address),
             )
         };
@@ -669,7 +694,15 @@ impl BtcWorker {
                 self.forget_coins(lane.lane.as_str());
                 return Err(e.into());
             }
-            Ok(_) => {}
+            Ok(None) => {
+                // A later batch held a row changed behind its events: nothing was committed, and
+                // the coins its batches took are not reserved.
+                self.forget_coins(lane.lane.as_str());
+                let (_, tampered) = verify_rows(going, self.config.network);
+                crate::worker::review_tampered(&self.pool, "btc", lane.lane.as_str(), tampered).await?;
+                return Ok(());
+            }
+            Ok(Some(_)) => {}
         }
         if was_short {
             metrics::gauge!("custodian_hot_wallet_short", "lane" => lane.lane.to_string()).set(0.0);
