@@ -262,13 +262,13 @@ fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> O
     })
 }
 
+/// A verified withdrawal and the script its output pays.
+type Payable = (Withdrawal, ScriptBuf);
+
 /// `rows` (the lock's, withdrawal columns from 4) checked against their event streams and their
 /// destinations read again against `network` (a row written by hand may name another's): those
 /// that may be signed, in order, and those that may not, with why.
-fn verify_rows(
-    rows: &[&tokio_postgres::Row],
-    network: BtcNetwork,
-) -> (Vec<(Withdrawal, ScriptBuf)>, Vec<(i64, String)>) {
+fn verify_rows(rows: &[&tokio_postgres::Row], network: BtcNetwork) -> (Vec<Payable>, Vec<(i64, String)>) {
     let mut ready = Vec::with_capacity(rows.len());
     let mut tampered = Vec::new();
     for row in rows {
