@@ -599,9 +599,7 @@ impl BtcWorker {
         let (oldest, tampered) = verify_rows(&going[..batch_max.min(going.len())], self.config.network);
         if !tampered.is_empty() {
             tx.rollback().await?;
-            let (_, tampered) = verify_rows(going, self.config.network);
-            crate::worker::review_tampered(&self.pool, "btc", lane.lane.as_str(), tampered).await?;
-            return Ok(());
+            return self.review_tampered_rows(lane.lane.as_str(), going).await;
         }
         // The spendable set changes only with new blocks (and our own reservations, taken out of
         // the cache as they are made): one read serves every allocation at a tip. A cached set
@@ -639,8 +637,8 @@ impl BtcWorker {
         // reads the coins again if it must.
         let mut left = coins;
         let more = take == oldest.len();
+        let mut next_row = oldest.len();
         let mut first = Some((oldest, Plan::take(&mut left, take, &selection)));
-        let mut next_row = first.as_ref().map_or(0, |(batch, _)| batch.len());
         let was_short = shortage.is_some();
         // Second round trip: each batch's writes, sent as soon as it is signed (the server stores
         // one while the next is checked, chosen and signed), the shortage cleared if there was one,
@@ -698,9 +696,7 @@ impl BtcWorker {
                 // A later batch held a row changed behind its events: nothing was committed, and
                 // the coins its batches took are not reserved.
                 self.forget_coins(lane.lane.as_str());
-                let (_, tampered) = verify_rows(going, self.config.network);
-                crate::worker::review_tampered(&self.pool, "btc", lane.lane.as_str(), tampered).await?;
-                return Ok(());
+                return self.review_tampered_rows(lane.lane.as_str(), going).await;
             }
             Ok(Some(_)) => {}
         }
@@ -714,6 +710,13 @@ impl BtcWorker {
             report.signed += size as u64;
         }
         Ok(())
+    }
+
+    /// Every row of an allocation that was not committed and that disagrees with its event stream
+    /// goes to review, and `lane` pauses.
+    async fn review_tampered_rows(&self, lane: &str, rows: &[&tokio_postgres::Row]) -> Result<(), WorkError> {
+        let (_, tampered) = verify_rows(rows, self.config.network);
+        crate::worker::review_tampered(&self.pool, "btc", lane, tampered).await
     }
 
     /// Takes the lane's cached coins if they were read at `tip` (called under the lane lock; an
