@@ -303,3 +303,156 @@ async fn a_payout_or_reservation_naming_a_missing_spend_is_refused_whole() {
     .await;
     assert!(message.contains("btc_spend_payout_pkey"), "{message}");
 }
+
+/// A rule's name, and the argument (by position) and value that break it alone.
+type BrokenBy = (&'static str, usize, String);
+
+/// The rules of the rows an allocation writes are one CHECK per table (V14), each calling a
+/// function that names the rule a row breaks: every rule still refuses what it refused, with
+/// SQLSTATE 23514 and its own constraint name; a row breaking none, or with its columns null (a
+/// CHECK lets null pass), is accepted.
+#[tokio::test]
+async fn each_folded_rule_refuses_by_its_own_name() {
+    let db = TestDb::new().await;
+    let client = db.owner_client().await;
+    let (hash, address) = (crate::eth_hash('c'), crate::eth_address('a'));
+    let btc_hash = "c".repeat(64);
+    let u256_plus_one = "115792089237316195423570985008687907853269984665640564039457584007913129639936";
+    // Per table: its function, a call's arguments that break no rule, and for each rule the
+    // argument (by position) that breaks it alone.
+    let tables: [(&str, Vec<String>, Vec<BrokenBy>); 4] = [
+        (
+            "withdrawal_broken_rule",
+            vec![
+                "'eth'".into(),
+                "'e1'".into(),
+                format!("'{address}'"),
+                "5".into(),
+                "'signed'".into(),
+                format!("'{address}'"),
+                "3".into(),
+                format!("'{hash}'"),
+                format!("'{hash}'"),
+                "2".into(),
+                "'client'".into(),
+            ],
+            vec![
+                ("withdrawal_external_id_nonempty", 1, "''".into()),
+                ("withdrawal_chain_known", 0, "'doge'".into()),
+                ("withdrawal_destination_format", 2, "'0xABC'".into()),
+                ("withdrawal_amount_positive", 3, "0".into()),
+                ("withdrawal_amount_u256", 3, u256_plus_one.into()),
+                ("withdrawal_state_known", 4, "'paid'".into()),
+                ("withdrawal_from_address_format", 5, "'0xABC'".into()),
+                ("withdrawal_nonce_nonnegative", 6, "-1".into()),
+                ("withdrawal_tx_hash_format", 7, "'0x12'".into()),
+                ("withdrawal_mined_block_hash_format", 8, format!("'{btc_hash}'")),
+                ("withdrawal_last_seq_positive", 9, "0".into()),
+                ("withdrawal_requested_by_length", 10, format!("'{}'", "x".repeat(65))),
+            ],
+        ),
+        (
+            "withdrawal_attempt_broken_rule",
+            vec![
+                "'eth'".into(),
+                format!("'{hash}'"),
+                "'original'".into(),
+                "2".into(),
+                "1".into(),
+                "'payout'".into(),
+                format!("'{address}'"),
+                "7".into(),
+                "''::bytea".into(),
+            ],
+            vec![
+                ("withdrawal_attempt_chain_known", 0, "'doge'".into()),
+                ("withdrawal_attempt_kind_known", 2, "'speedup'".into()),
+                ("withdrawal_attempt_max_fee_u256", 3, u256_plus_one.into()),
+                ("withdrawal_attempt_priority_fee_u256", 4, "-1".into()),
+                ("withdrawal_attempt_tx_hash_format", 1, format!("'{btc_hash}'")),
+                ("withdrawal_attempt_priority_fee_within_max_fee", 4, "3".into()),
+                ("withdrawal_attempt_intent_known", 5, "'gift'".into()),
+                ("withdrawal_attempt_intent_to_format", 6, "'0xABC'".into()),
+                ("withdrawal_attempt_intent_value_u256", 7, "-1".into()),
+                ("withdrawal_attempt_intent_whole", 8, "null".into()),
+            ],
+        ),
+        (
+            "hot_wallet_broken_rule",
+            vec![
+                "'eth'".into(),
+                format!("'{address}'"),
+                "'lane_1'".into(),
+                "0".into(),
+                "now()".into(),
+                "'paused'".into(),
+                "'short'".into(),
+                "now()".into(),
+            ],
+            vec![
+                ("hot_wallet_chain_known", 0, "'doge'".into()),
+                ("hot_wallet_address_format", 1, "'0xABC'".into()),
+                ("hot_wallet_lane_name", 2, "'lane 1'".into()),
+                ("hot_wallet_next_nonce_nonnegative", 3, "-1".into()),
+                ("hot_wallet_pause_reason", 4, "null".into()),
+                ("hot_wallet_shortage_since", 7, "null".into()),
+            ],
+        ),
+        (
+            "btc_attempt_broken_rule",
+            vec![format!("'{btc_hash}'"), "'bump'".into(), "100".into(), "200".into(), "1".into(), "4".into()],
+            vec![
+                ("btc_attempt_tx_hash_format", 0, format!("'{hash}'")),
+                ("btc_attempt_kind_known", 1, "'speedup'".into()),
+                ("btc_attempt_fee_positive", 2, "0".into()),
+                ("btc_attempt_vsize_positive", 3, "0".into()),
+                ("btc_attempt_change_output_nonnegative", 4, "-1".into()),
+                ("btc_attempt_change_whole", 5, "null".into()),
+            ],
+        ),
+    ];
+    for (function, valid, rules) in tables {
+        let call = |args: &[String]| format!("select {function}({})", args.join(", "));
+        let accepted: bool = client.query_one(&call(&valid), &[]).await.unwrap().get(0);
+        assert!(accepted, "{function}: the valid row");
+        // The first argument (the chain, or btc_attempt's hash) kept: the format rules read the
+        // chain, and a null chain matches none.
+        let mut nulls = vec!["null".to_owned(); valid.len()];
+        nulls[0] = valid[0].clone();
+        let accepted: bool = client.query_one(&call(&nulls), &[]).await.unwrap().get(0);
+        assert!(accepted, "{function}: null passes every rule, as in a CHECK");
+        for (rule, position, breaking) in rules {
+            let mut args = valid.clone();
+            args[position] = breaking;
+            let e = client.query_one(&call(&args), &[]).await.expect_err(rule);
+            let db = e.as_db_error().unwrap_or_else(|| panic!("{rule}: {e}"));
+            assert_eq!((db.code().code(), db.constraint()), ("23514", Some(rule)), "{rule}: {}", db.message());
+        }
+    }
+    // Each folded table has exactly that one CHECK, and a row written to it goes through it.
+    let checks: Vec<String> = client
+        .query(
+            "select conrelid::regclass::text || ' ' || conname from pg_constraint
+              where contype = 'c' and conrelid::regclass::text = any($1) order by 1",
+            &[&vec!["withdrawal", "withdrawal_attempt", "hot_wallet", "btc_attempt"]],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        checks,
+        [
+            "btc_attempt btc_attempt_rules",
+            "hot_wallet hot_wallet_rules",
+            "withdrawal withdrawal_rules",
+            "withdrawal_attempt withdrawal_attempt_rules"
+        ]
+    );
+    let e = client
+        .execute("insert into hot_wallet (chain, address, lane, next_nonce) values ('eth', $1, 'a', -1)", &[&address])
+        .await
+        .expect_err("a negative cursor");
+    assert_eq!(e.as_db_error().and_then(|db| db.constraint()), Some("hot_wallet_next_nonce_nonnegative"));
+}
