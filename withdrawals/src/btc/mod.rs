@@ -201,7 +201,9 @@ const CANDIDATES: usize = 500;
 /// reservations, the payouts, the `signed` events, the projection and the change cursor. $1 lane,
 /// $2 change index (null: no change), $3 change address, $4 txid, $5 raw, $6 fee, $7 vsize,
 /// $8 change output, $9..$12 reserved coins (txid, vout, amount, change index), $13..$15 payouts
-/// (withdrawal, output, weight), $16 seqs, $17 payloads, $18 funding address, $19 next change index.
+/// (withdrawal, output, weight), $16 seqs, $17 the `signed` event's payload (one for the whole batch:
+/// every withdrawal of a batch is signed into the same transaction), $18 funding address, $19 next
+/// change index.
 const WRITE_ALLOCATION: &str = "
 with spend as (
     insert into btc_spend (lane) values ($1) returning id
@@ -220,7 +222,7 @@ with spend as (
     select spend.id, p.id, p.vout, p.weight from unnest($13::bigint[], $14::int[], $15::int[]) as p(id, vout, weight), spend
 ), appended as (
     insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
-    select e.id, e.seq, 'signed', e.payload from unnest($13::bigint[], $16::int[], $17::jsonb[]) as e(id, seq, payload)
+    select e.id, e.seq, 'signed', $17::jsonb from unnest($13::bigint[], $16::int[]) as e(id, seq)
 ), projected as (
     update withdrawal w set state = 'signed', from_address = $18, tx_hash = $4, last_seq = e.seq, updated_at = now()
       from unnest($13::bigint[], $16::int[]) as e(id, seq)
@@ -321,7 +323,7 @@ struct SignedBatch {
     vouts: Vec<i32>,
     weights: Vec<i32>,
     seqs: Vec<i32>,
-    payloads: Vec<serde_json::Value>,
+    payload: serde_json::Value,
     next_change: i32,
 }
 
@@ -387,7 +389,7 @@ impl SignedBatch {
                 .map(|(_, script)| i32::try_from(tx::output_weight(script.len())).expect("BUG: output weight"))
                 .collect(),
             seqs: ready.iter().map(|(w, _)| w.last_seq() + 1).collect(),
-            payloads: vec![payload; ready.len()],
+            payload,
             next_change,
         }
     }
@@ -411,7 +413,7 @@ impl SignedBatch {
             Box::new(self.vouts),
             Box::new(self.weights),
             Box::new(self.seqs),
-            Box::new(self.payloads),
+            Box::new(self.payload),
             Box::new(from.to_owned()),
             Box::new(self.next_change),
         ]
