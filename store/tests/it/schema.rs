@@ -267,7 +267,7 @@ async fn a_payout_or_reservation_naming_a_missing_spend_is_refused_whole() {
     )
     .await;
     assert!(message.contains(&format!("spend {missing}")) && message.contains("utxo_reservation"), "{message}");
-    // The withdrawal's reference is still a foreign key.
+    // The withdrawal's reference too (V15), by the foreign key's name.
     let message = refused_as_foreign_key(
         &client,
         &format!(
@@ -302,6 +302,36 @@ async fn a_payout_or_reservation_naming_a_missing_spend_is_refused_whole() {
     )
     .await;
     assert!(message.contains("btc_spend_payout_pkey"), "{message}");
+}
+
+/// A payout's withdrawal is checked once, when the payout is inserted (V15): that is all the
+/// foreign key said because a withdrawal row is never deleted, truncated or given another id, by
+/// the schema owner either.
+#[tokio::test]
+async fn a_withdrawal_row_is_never_deleted_truncated_or_renumbered() {
+    let db = TestDb::new().await;
+    let client = db.owner_client().await;
+    client
+        .batch_execute(&format!(
+            "insert into account (external_ref) values ('alice');
+             insert into withdrawal (id, account_id, external_id, chain, asset, destination, amount, state, last_seq)
+                  values (1, (select id from account where external_ref = 'alice'), 'w1', 'eth', 'ETH', '{}', 1000, 'requested', 1);",
+            crate::eth_address('a')
+        ))
+        .await
+        .unwrap();
+    for sql in
+        ["delete from withdrawal where id = 1", "truncate withdrawal", "update withdrawal set id = 2 where id = 1"]
+    {
+        let e = client.batch_execute(sql).await.expect_err(sql);
+        let db = e.as_db_error().unwrap_or_else(|| panic!("{sql}: {e}"));
+        assert_eq!(db.code().code(), "42501", "{sql}: {}", db.message());
+    }
+    let ids: Vec<i64> =
+        client.query("select id from withdrawal", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, [1]);
+    // What the projection moves still moves.
+    client.execute("update withdrawal set state = 'signed', last_seq = 2 where id = 1", &[]).await.unwrap();
 }
 
 /// A rule's name, and the argument (by position) and value that break it alone.
