@@ -60,8 +60,8 @@ async fn drain(worker: &BtcWorker, n: u64) -> (u64, Duration) {
 }
 
 /// [`ROUNDS`] rounds of the one-row ceiling (`per_round` transactions, at least 400) each followed
-/// by `worker` draining `per_round` withdrawals, so that a slow spell of the machine weighs on both alike: how
-/// many were signed, their rate, and the ceiling's rate over its rounds.
+/// by `worker` draining `per_round` withdrawals, so that a slow spell of the machine weighs on both
+/// alike: how many were signed, their rate, and the ceiling's rate over its rounds.
 async fn alternating(worker: &BtcWorker, db: &TestDb, per_round: u64) -> (u64, u64, u64) {
     let (mut ceiling_n, mut ceiling_t, mut ours_n, mut ours_t) = (0, Duration::ZERO, 0, Duration::ZERO);
     for _ in 0..ROUNDS {

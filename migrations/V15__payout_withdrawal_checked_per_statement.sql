@@ -14,22 +14,15 @@
 -- privilege to. So a withdrawal that exists when a payout naming it is inserted exists for good, and
 -- one check at insert says all the foreign key said, without a lock.
 
--- Refuses the statement's inserted payouts (transition table `inserted`) if any names a spend or a
--- withdrawal that does not exist (SQLSTATE 23503, the constraints' names as before); the
--- statement's writes are undone. Replaces V11's spend check on this table: one trigger, one pass.
-create function btc_spend_payout_referenced() returns trigger
+-- Refuses the statement's inserted payouts (transition table `inserted`) if any names a withdrawal
+-- that does not exist (SQLSTATE 23503, the foreign key's name as before); the statement's writes
+-- are undone. Their spend stays checked by V11's btc_spend_referenced(), which fires first (after-
+-- triggers fire in name order).
+create function btc_spend_payout_withdrawal_referenced() returns trigger
 language plpgsql as $$
 declare
     missing bigint;
 begin
-    select n.spend_id into missing
-      from (select distinct spend_id from inserted) n
-     where not exists (select from btc_spend s where s.id = n.spend_id)
-     limit 1;
-    if found then
-        raise exception 'insert on table "btc_spend_payout" names spend %, which is not in btc_spend', missing
-              using errcode = 'foreign_key_violation', table = 'btc_spend_payout';
-    end if;
     select n.withdrawal_id into missing
       from inserted n
      where not exists (select from withdrawal w where w.id = n.withdrawal_id)
@@ -46,10 +39,9 @@ end;
 $$;
 
 alter table btc_spend_payout drop constraint btc_spend_payout_withdrawal_id_fkey;
-drop trigger btc_spend_payout_spend_exists on btc_spend_payout;
-create trigger btc_spend_payout_references_exist
+create trigger btc_spend_payout_withdrawal_exists
     after insert on btc_spend_payout referencing new table as inserted
-    for each statement execute function btc_spend_payout_referenced();
+    for each statement execute function btc_spend_payout_withdrawal_referenced();
 
 -- A withdrawal is never deleted, row by row or by truncation, by anyone: its events say what
 -- became of it.
