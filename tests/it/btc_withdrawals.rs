@@ -634,6 +634,66 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     assert_eq!(reconciled.code, 3, "the stolen coin is still custody in the ledger: {}", reconciled.stdout);
 }
 
+/// A pass works its lanes at once, as the Ethereum worker's does: a lane held up (here its row
+/// locked by another transaction, as a slow allocation or a stuck statement would hold it) holds up
+/// no other lane's payouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_btc_lane_held_up_holds_up_no_other_lane() {
+    let p = Arc::new(Payouts::new(2, 4, 1_000_000, 50_000_000).await);
+    let lane_of = |id: i64| {
+        let p = p.clone();
+        async move { p.value(&format!("select lane from withdrawal where id = {id}")).await }
+    };
+    // Requests until each lane holds at least one (a withdrawal's lane is a hash of its id).
+    let mut on: HashMap<String, Vec<i64>> = HashMap::new();
+    for n in 0..40u32 {
+        if on.len() == 2 && on.values().all(|ids| ids.len() >= 2) {
+            break;
+        }
+        let id = p.request(&format!("w{n}"), &p.sim.address(AddrKind::P2wpkh, 10 + n), 100_000).await.unwrap();
+        let id = id.withdrawal.id().get();
+        on.entry(lane_of(id).await).or_default().push(id);
+    }
+    let (held, free) = (on["b0"].clone(), on["b1"].clone());
+
+    let mut holder = p.db.client().await;
+    let holding = holder.transaction().await.unwrap();
+    holding.execute("select 1 from hot_wallet where chain = 'btc' and lane = 'b0' for update", &[]).await.unwrap();
+    let worker = Arc::new(p.worker(BtcConfig::default()));
+    let pass = tokio::spawn({
+        let worker = worker.clone();
+        async move { worker.pass().await }
+    });
+    let waited = std::time::Instant::now();
+    let signed = |ids: Vec<i64>| {
+        let p = p.clone();
+        async move {
+            let mut signed = 0;
+            for id in ids {
+                signed += usize::from(p.load(id).await.state() != WithdrawalState::Requested);
+            }
+            signed
+        }
+    };
+    while signed(free.clone()).await < free.len() {
+        assert!(
+            waited.elapsed() < std::time::Duration::from_secs(20),
+            "lane b1 still unsigned after 20 s while lane b0's row is held: the pass waits for b0 first"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(signed(held.clone()).await, 0, "lane b0 waits for its row");
+    assert!(!pass.is_finished(), "the pass waits on lane b0");
+
+    holding.rollback().await.unwrap();
+    let report = tokio::time::timeout(std::time::Duration::from_secs(20), pass).await.unwrap().unwrap().unwrap();
+    assert_eq!(report.signed, (held.len() + free.len()) as u64, "{report:?}");
+    assert!(report.lane_errors.is_empty(), "{report:?}");
+    let all: Vec<i64> = held.iter().chain(&free).copied().collect();
+    p.settle(&[&worker], &all, 6).await;
+    p.verify().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
     let p = Payouts::new(1, 1, 300_000, 50_000_000).await;

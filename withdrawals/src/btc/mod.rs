@@ -461,10 +461,14 @@ impl BtcWorker {
         Ok((row.map(|r| u64::try_from(r.get::<_, i64>(0)).expect("BUG: negative height")), lanes))
     }
 
-    /// One pass over every BTC lane this worker holds a key for.
+    /// One pass over every BTC lane this worker holds a key for. The lanes run at once, as the
+    /// Ethereum worker's do: each locks only its own rows, so one lane's slow node calls or
+    /// database work (a coin read after a block, a lock another transaction holds) never holds up
+    /// another's payouts.
     pub async fn pass(&self) -> Result<PassReport, WorkError> {
         let mut report = PassReport::default();
         let (Some(tip), lanes) = self.tip_and_lanes().await? else { return Ok(report) };
+        let mut parts = Vec::new();
         for lane in lanes {
             let Some(key) = self.keys.get(lane.lane.as_str()) else { continue };
             if key.funding_address() != *lane.address.as_bitcoin() {
@@ -474,16 +478,31 @@ impl BtcWorker {
                     lane_address: lane.address.to_string(),
                 });
             }
-            if let Err(e) = self.lane_pass(&lane, key, tip, &mut report).await {
-                if e.is_fatal() {
-                    return Err(e);
+            parts.push(async move {
+                let mut part = PassReport::default();
+                let result = self.lane_pass(&lane, key, tip, &mut part).await;
+                (lane, part, result)
+            });
+        }
+        let mut fatal = None;
+        for (lane, part, result) in futures::future::join_all(parts).await {
+            report.merge(part);
+            match result {
+                Ok(()) => {}
+                Err(e) if e.is_fatal() => {
+                    fatal.get_or_insert(e);
                 }
-                metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
-                tracing::warn!(lane = %lane.lane, "the BTC lane's pass failed; the other lanes go on: {e}");
-                report.lane_errors.push(format!("{}: {e}", lane.lane));
+                Err(e) => {
+                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
+                    tracing::warn!(lane = %lane.lane, "the BTC lane's pass failed; the other lanes go on: {e}");
+                    report.lane_errors.push(format!("{}: {e}", lane.lane));
+                }
             }
         }
-        Ok(report)
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
     }
 
     async fn lane_pass(
