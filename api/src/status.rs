@@ -6,6 +6,7 @@
 
 use custodian_projections::history::HistoryError;
 use custodian_store::deposit_addresses::DepositAddressError;
+use custodian_store::describe;
 use custodian_store::ownership::OwnershipError;
 use custodian_withdrawals::actions::ActionError;
 use custodian_withdrawals::hot_wallet::HotWalletError;
@@ -16,15 +17,6 @@ use tonic::Status;
 /// such as serialization failures and deadlocks (40), insufficient resources (53), operator
 /// intervention such as a shutdown (57), system errors (58).
 const TRANSIENT_SQLSTATE_CLASSES: [&str; 5] = ["08", "40", "53", "57", "58"];
-
-/// What went wrong, with the server's message: the error's own `Display` says only "db error".
-fn describe(error: &tokio_postgres::Error) -> String {
-    match (error.as_db_error(), std::error::Error::source(error)) {
-        (Some(db), _) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        (None, Some(source)) => format!("{error}: {source}"),
-        (None, None) => error.to_string(),
-    }
-}
 
 /// How long a client is told to wait before retrying a transient failure.
 const RETRY_AFTER_MS: u64 = 1_000;

@@ -22,6 +22,16 @@ pub use pipeline::Pipelined;
 pub use pool::{connect, DatabaseUrl, Pool, PoolError, DEFAULT_DATABASE_URL, DEFAULT_MIGRATE_DATABASE_URL};
 pub use roles::{check_service_role, RoleError};
 
+/// What a database error was, with the server's message and SQLSTATE: the error's own `Display`
+/// says only "db error".
+pub fn describe(error: &tokio_postgres::Error) -> String {
+    match (error.as_db_error(), std::error::Error::source(error)) {
+        (Some(db), _) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        (None, Some(source)) => format!("{error}: {source}"),
+        (None, None) => error.to_string(),
+    }
+}
+
 /// SQLSTATE of a unique or primary-key violation.
 pub const UNIQUE_VIOLATION: &str = "23505";
 

@@ -694,6 +694,71 @@ async fn a_btc_lane_held_up_holds_up_no_other_lane() {
     p.verify().await;
 }
 
+/// A BTC lane whose part of a pass fails (here its row lock times out) is listed, backed off for
+/// the next passes while the other lane goes on, and tried again once its backoff runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_btc_lane_is_backed_off_while_the_other_lane_goes_on() {
+    let p = Payouts::new(2, 4, 1_000_000, 50_000_000).await;
+    let mut on: HashMap<String, Vec<i64>> = HashMap::new();
+    for n in 0..40u32 {
+        if on.len() == 2 && on.values().all(|ids| ids.len() >= 2) {
+            break;
+        }
+        let id = p.request(&format!("w{n}"), &p.sim.address(AddrKind::P2wpkh, 10 + n), 100_000).await.unwrap();
+        let id = id.withdrawal.id().get();
+        on.entry(p.value(&format!("select lane from withdrawal where id = {id}")).await).or_default().push(id);
+    }
+    let (failing, going) = (on["b0"].clone(), on["b1"].clone());
+    // The worker's sessions give up on a row lock after 300 ms.
+    let url: custodian_store::DatabaseUrl =
+        format!("{}?options=-c%20lock_timeout%3D300", p.db.url.expose()).parse().unwrap();
+    let pool = custodian_store::pool::connect(&url, 4).await.unwrap();
+    let worker = BtcWorker::new(
+        pool,
+        p.worker(BtcConfig::default()).node().clone(),
+        p.keys.clone(),
+        quick(BtcConfig::default()),
+    );
+    let state = |id: i64| {
+        let p = &p;
+        async move { p.load(id).await.state() }
+    };
+
+    let mut holder = p.db.client().await;
+    let holding = holder.transaction().await.unwrap();
+    holding.execute("select 1 from hot_wallet where chain = 'btc' and lane = 'b0' for update", &[]).await.unwrap();
+    let first = worker.pass().await.expect("a lane's failure does not fail the pass");
+    assert_eq!(first.lane_errors.len(), 1, "{first:?}");
+    // The server's words and SQLSTATE, not tokio-postgres's bare "db error".
+    assert!(
+        first.lane_errors[0]
+            .starts_with("b0: database error: canceling statement due to lock timeout (SQLSTATE 55P03)"),
+        "{first:?}"
+    );
+    assert_eq!(first.signed, going.len() as u64, "lane b1 signed: {first:?}");
+    for id in &failing {
+        assert_eq!(state(*id).await, WithdrawalState::Requested);
+    }
+    // At once again, its row still held: lane b0 is not tried (it would fail again), b1 goes on.
+    let second = worker.pass().await.unwrap();
+    assert!(second.lane_errors.is_empty(), "lane b0 tried while backing off: {second:?}");
+
+    holding.rollback().await.unwrap();
+    let waited = std::time::Instant::now();
+    loop {
+        let report = worker.pass().await.unwrap();
+        assert!(report.lane_errors.is_empty(), "{report:?}");
+        if state(failing[0]).await != WithdrawalState::Requested {
+            break;
+        }
+        assert!(waited.elapsed() < std::time::Duration::from_secs(10), "lane b0 never tried again");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let all: Vec<i64> = failing.iter().chain(&going).copied().collect();
+    p.settle(&[&worker], &all, 6).await;
+    p.verify().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_enough_coins_btc_withdrawals_wait_whole_until_a_top_up() {
     let p = Payouts::new(1, 1, 300_000, 50_000_000).await;

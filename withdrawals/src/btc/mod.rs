@@ -32,7 +32,7 @@ use self::tx::{Coin, FeeRate, P2WPKH_SCRIPT_LEN};
 use crate::btc_key::{BtcHotKey, KeyPath};
 use crate::hot_wallet::{self, Lane};
 use crate::sql;
-use crate::worker::{record, verified_request, PassReport, WorkError};
+use crate::worker::{lanes, record, verified_request, PassReport, WorkError};
 
 /// How BTC withdrawals are batched, priced and settled (`[btc]` in the configuration).
 #[derive(Debug, Clone)]
@@ -95,6 +95,8 @@ pub struct BtcWorker {
     /// The node's fee estimate and the chain height it was read at: estimates move with blocks,
     /// so one read serves every allocation until the next block.
     fee: std::sync::Mutex<Option<(u64, FeeRate)>>,
+    /// Lanes failing transiently, backed off.
+    lane_backoff: lanes::LaneBackoff,
 }
 
 /// A spend with open withdrawals: its id and its withdrawals, the first of which stands for all
@@ -423,7 +425,15 @@ impl SignedBatch {
 impl BtcWorker {
     /// A worker signing for `keys` (lane name → key).
     pub fn new(pool: Pool, node: BtcNode, keys: HashMap<String, Arc<BtcHotKey>>, config: BtcConfig) -> BtcWorker {
-        BtcWorker { pool, node, keys, config, coins: std::sync::Mutex::default(), fee: std::sync::Mutex::default() }
+        BtcWorker {
+            pool,
+            node,
+            keys,
+            config,
+            coins: std::sync::Mutex::default(),
+            fee: std::sync::Mutex::default(),
+            lane_backoff: lanes::LaneBackoff::default(),
+        }
     }
 
     /// The node this worker asks.
@@ -461,13 +471,12 @@ impl BtcWorker {
         Ok((row.map(|r| u64::try_from(r.get::<_, i64>(0)).expect("BUG: negative height")), lanes))
     }
 
-    /// One pass over every BTC lane this worker holds a key for. The lanes run at once, as the
-    /// Ethereum worker's do: each locks only its own rows, so one lane's slow node calls or
-    /// database work (a coin read after a block, a lock another transaction holds) never holds up
-    /// another's payouts.
+    /// One pass over every BTC lane this worker holds a key for, the lanes at once and a lane
+    /// failing transiently backed off, as the Ethereum worker's ([`lanes::run_at_once`]): one lane's
+    /// slow node calls or database work (a coin read after a block, a lock another transaction
+    /// holds) never holds up another's payouts.
     pub async fn pass(&self) -> Result<PassReport, WorkError> {
-        let mut report = PassReport::default();
-        let (Some(tip), lanes) = self.tip_and_lanes().await? else { return Ok(report) };
+        let (Some(tip), lanes) = self.tip_and_lanes().await? else { return Ok(PassReport::default()) };
         let mut parts = Vec::new();
         for lane in lanes {
             let Some(key) = self.keys.get(lane.lane.as_str()) else { continue };
@@ -478,31 +487,17 @@ impl BtcWorker {
                     lane_address: lane.address.to_string(),
                 });
             }
-            parts.push(async move {
+            if self.lane_backoff.waiting(lane.lane.as_str()) {
+                continue;
+            }
+            let name = lane.lane.to_string();
+            parts.push((name, async move {
                 let mut part = PassReport::default();
                 let result = self.lane_pass(&lane, key, tip, &mut part).await;
-                (lane, part, result)
-            });
+                (part, result)
+            }));
         }
-        let mut fatal = None;
-        for (lane, part, result) in futures::future::join_all(parts).await {
-            report.merge(part);
-            match result {
-                Ok(()) => {}
-                Err(e) if e.is_fatal() => {
-                    fatal.get_or_insert(e);
-                }
-                Err(e) => {
-                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
-                    tracing::warn!(lane = %lane.lane, "the BTC lane's pass failed; the other lanes go on: {e}");
-                    report.lane_errors.push(format!("{}: {e}", lane.lane));
-                }
-            }
-        }
-        match fatal {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        lanes::run_at_once(&self.lane_backoff, "btc", parts).await
     }
 
     async fn lane_pass(

@@ -11,6 +11,7 @@
 //! (receipts against intents, the cursor check); the pure parts live in [`crate::payout`].
 
 mod allocation;
+pub(crate) mod lanes;
 mod nonce_allocator;
 pub(crate) use allocation::{review_tampered, verified_request};
 mod broadcast;
@@ -103,8 +104,8 @@ pub enum WorkError {
     /// A Bitcoin node call failed; the pass is retried later.
     #[error("Bitcoin node: {0}")]
     Bitcoin(#[from] crate::btc::node::BtcNodeError),
-    /// The database failed; the SQLSTATE stays in the source.
-    #[error("database error: {0}")]
+    /// The database failed: the server's message and SQLSTATE (also in the source).
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[source] tokio_postgres::Error),
     /// No database connection could be had.
     #[error("no database connection: {0}")]
@@ -330,19 +331,14 @@ async fn record_one<'a>(
     Ok(Some((index, state)))
 }
 
-/// First wait before a failing lane is tried again; doubles up to [`LANE_MAX_BACKOFF`].
-const LANE_FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(500);
-/// Longest wait between tries of a failing lane.
-const LANE_MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// The worker for every ETH lane it holds a key for.
 pub struct Worker {
     pool: Pool,
     node: EthNode,
     signers: HashMap<String, Arc<dyn Signer>>,
     config: WorkerConfig,
-    /// Lanes failing transiently: when each may be tried again, and its current backoff.
-    lane_backoff: std::sync::Mutex<HashMap<String, (std::time::Instant, std::time::Duration)>>,
+    /// Lanes failing transiently, backed off.
+    lane_backoff: lanes::LaneBackoff,
     /// Withdrawals whose nonce the chain counted as used with none of their attempts mined, and
     /// the head at which that was first seen: a second sighting at a later head, not one
     /// answer, is the evidence for `needs_review`.
@@ -361,7 +357,7 @@ impl Worker {
             node,
             signers,
             config,
-            lane_backoff: std::sync::Mutex::default(),
+            lane_backoff: lanes::LaneBackoff::default(),
             suspects: std::sync::Mutex::default(),
         }
     }
@@ -388,9 +384,9 @@ impl Worker {
         Ok(())
     }
 
-    /// One pass over every lane this worker holds a key for.
+    /// One pass over every lane this worker holds a key for, the lanes at once
+    /// ([`lanes::run_at_once`]).
     pub async fn pass(&self) -> Result<PassReport, WorkError> {
-        let mut report = PassReport::default();
         let lanes = hot_wallet::lanes(&self.pool.get().await?).await?;
         let chain_id = self.chain_id().await?;
         let mut parts = Vec::new();
@@ -403,45 +399,17 @@ impl Worker {
                     lane_address: lane.address.to_lowercase_hex(),
                 });
             }
-            // Each lane's part is independent: a lane failing transiently (its node calls, its
-            // rows) is logged, counted and backed off with jitter, and the other lanes go on.
-            if self.backing_off(lane.lane.as_str()) {
+            if self.lane_backoff.waiting(lane.lane.as_str()) {
                 continue;
             }
-            parts.push(async move {
+            let name = lane.lane.to_string();
+            parts.push((name, async move {
                 let mut part = PassReport::default();
                 let result = self.lane_pass(&lane, signer.as_ref(), chain_id, &mut part).await;
-                (lane, part, result)
-            });
+                (part, result)
+            }));
         }
-        // The lanes run at once: each locks only its own rows, and one lane's slow node calls
-        // or database work never holds up another's.
-        let mut fatal = None;
-        for (lane, part, result) in futures::future::join_all(parts).await {
-            report.merge(part);
-            match result {
-                Ok(()) => {
-                    self.lane_backoff
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .remove(lane.lane.as_str());
-                }
-                Err(e) if e.is_fatal() => {
-                    fatal.get_or_insert(e);
-                }
-                Err(e) => {
-                    let wait = self.lane_failed(lane.lane.as_str());
-                    metrics::counter!("custodian_lane_errors_total", "lane" => lane.lane.to_string()).increment(1);
-                    tracing::warn!(lane = %lane.lane, retry_in_ms = wait.as_millis() as u64,
-                        "the lane's pass failed; the other lanes go on: {e}");
-                    report.lane_errors.push(format!("{}: {e}", lane.lane));
-                }
-            }
-        }
-        match fatal {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        lanes::run_at_once(&self.lane_backoff, "eth", parts).await
     }
 
     /// One lane's part of a pass: settle, the cursor check, then (unless paused) allocate,
@@ -468,21 +436,6 @@ impl Worker {
         let refused = self.broadcast(&lane, report).await?;
         self.bump(&lane, signer, &refused, report).await?;
         Ok(())
-    }
-
-    /// Whether `lane` failed recently and its backoff has not run out.
-    fn backing_off(&self, lane: &str) -> bool {
-        let backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        backoff.get(lane).is_some_and(|(until, _)| std::time::Instant::now() < *until)
-    }
-
-    /// Records a failure of `lane`: its next try waits twice as long as the last (with jitter).
-    fn lane_failed(&self, lane: &str) -> std::time::Duration {
-        let mut backoff = self.lane_backoff.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let current = backoff.get(lane).map_or(LANE_FIRST_BACKOFF, |(_, last)| (*last * 2).min(LANE_MAX_BACKOFF));
-        let wait = custodian_store::jittered(current);
-        backoff.insert(lane.to_owned(), (std::time::Instant::now() + wait, current));
-        wait
     }
 
     /// The node's chain id, refused unless it is the configured one and the node's chain is the
