@@ -218,6 +218,21 @@ impl Payouts {
         request::request(&self.db.pool, &r).await
     }
 
+    /// Requests of 100,000 sats until lanes b0 and b1 hold at least two each (a withdrawal's lane
+    /// is a hash of its id): their ids, b0's then b1's.
+    async fn two_on_each_lane(&self) -> (Vec<i64>, Vec<i64>) {
+        let mut on: HashMap<String, Vec<i64>> = HashMap::new();
+        for n in 0..40u32 {
+            if on.len() == 2 && on.values().all(|ids| ids.len() >= 2) {
+                break;
+            }
+            let to = self.sim.address(AddrKind::P2wpkh, 10 + n);
+            let id = self.request(&format!("w{n}"), &to, 100_000).await.unwrap().withdrawal.id().get();
+            on.entry(self.value(&format!("select lane from withdrawal where id = {id}")).await).or_default().push(id);
+        }
+        (on["b0"].clone(), on["b1"].clone())
+    }
+
     async fn load(&self, id: i64) -> Withdrawal {
         sql::load(&self.db.pool.get().await.unwrap(), id).await.unwrap().unwrap()
     }
@@ -640,21 +655,7 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_btc_lane_held_up_holds_up_no_other_lane() {
     let p = Arc::new(Payouts::new(2, 4, 1_000_000, 50_000_000).await);
-    let lane_of = |id: i64| {
-        let p = p.clone();
-        async move { p.value(&format!("select lane from withdrawal where id = {id}")).await }
-    };
-    // Requests until each lane holds at least one (a withdrawal's lane is a hash of its id).
-    let mut on: HashMap<String, Vec<i64>> = HashMap::new();
-    for n in 0..40u32 {
-        if on.len() == 2 && on.values().all(|ids| ids.len() >= 2) {
-            break;
-        }
-        let id = p.request(&format!("w{n}"), &p.sim.address(AddrKind::P2wpkh, 10 + n), 100_000).await.unwrap();
-        let id = id.withdrawal.id().get();
-        on.entry(lane_of(id).await).or_default().push(id);
-    }
-    let (held, free) = (on["b0"].clone(), on["b1"].clone());
+    let (held, free) = p.two_on_each_lane().await;
 
     let mut holder = p.db.client().await;
     let holding = holder.transaction().await.unwrap();
@@ -699,16 +700,7 @@ async fn a_btc_lane_held_up_holds_up_no_other_lane() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_btc_lane_is_backed_off_while_the_other_lane_goes_on() {
     let p = Payouts::new(2, 4, 1_000_000, 50_000_000).await;
-    let mut on: HashMap<String, Vec<i64>> = HashMap::new();
-    for n in 0..40u32 {
-        if on.len() == 2 && on.values().all(|ids| ids.len() >= 2) {
-            break;
-        }
-        let id = p.request(&format!("w{n}"), &p.sim.address(AddrKind::P2wpkh, 10 + n), 100_000).await.unwrap();
-        let id = id.withdrawal.id().get();
-        on.entry(p.value(&format!("select lane from withdrawal where id = {id}")).await).or_default().push(id);
-    }
-    let (failing, going) = (on["b0"].clone(), on["b1"].clone());
+    let (failing, going) = p.two_on_each_lane().await;
     // The worker's sessions give up on a row lock after 300 ms.
     let url: custodian_store::DatabaseUrl =
         format!("{}?options=-c%20lock_timeout%3D300", p.db.url.expose()).parse().unwrap();
