@@ -95,7 +95,7 @@ pub enum TokenError {
     #[error("could not read randomness from {RANDOM_SOURCE}: {0}")]
     Random(#[source] std::io::Error),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 
@@ -282,7 +282,7 @@ pub enum Refusal {
         held: String,
     },
     /// The database failed.
-    #[error("database error while checking the token: {0}")]
+    #[error("database error while checking the token: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

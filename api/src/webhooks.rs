@@ -142,7 +142,7 @@ pub enum WebhookError {
     #[error(transparent)]
     History(#[from] HistoryError),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
     /// No connection could be had.
     #[error("database pool: {0}")]

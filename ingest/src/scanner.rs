@@ -117,7 +117,7 @@ pub enum ScanError {
         chain: Chain,
     },
     /// The database failed; the SQLSTATE stays in the source.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[source] tokio_postgres::Error),
     /// No database connection could be had.
     #[error("no database connection: {0}")]

@@ -458,7 +458,7 @@ pub enum RewindError {
         cursor: u64,
     },
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

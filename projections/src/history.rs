@@ -31,7 +31,7 @@ pub enum HistoryError {
     #[error("position {0} is not in the history")]
     UnknownPosition(i64),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

@@ -70,7 +70,7 @@ pub enum DecisionError {
     #[error("a decision needs the authenticated principal making it")]
     Anonymous,
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

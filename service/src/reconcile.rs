@@ -23,7 +23,7 @@ const RETRY: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     /// The database failed.
-    #[error("reading the ledger: {0}")]
+    #[error("reading the ledger: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
     /// No connection could be taken.
     #[error("taking a database connection: {0}")]

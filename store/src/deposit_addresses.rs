@@ -90,7 +90,7 @@ pub enum DepositAddressError {
         chain: Chain,
     },
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

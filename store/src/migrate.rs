@@ -14,13 +14,13 @@ const MIGRATION_LOCK_KEY: i64 = 0x6375_7374_6f64_6961; // "custodia"
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     /// Taking or releasing the advisory lock failed.
-    #[error("could not take the migration lock: {0}")]
+    #[error("could not take the migration lock: {}", crate::describe(.0))]
     Lock(#[source] tokio_postgres::Error),
     /// A migration failed to apply; nothing of that file is applied.
     #[error("migration failed: {0}")]
     Apply(#[source] refinery::Error),
     /// Reading the schema history failed.
-    #[error("could not read the schema version: {0}")]
+    #[error("could not read the schema version: {}", crate::describe(.0))]
     Read(#[source] tokio_postgres::Error),
 }
 

@@ -78,7 +78,7 @@ pub enum OwnershipError {
     #[error("asset conflict: {0}")]
     AssetConflict(String),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

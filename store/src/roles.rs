@@ -54,7 +54,7 @@ pub enum RoleError {
         power: &'static str,
     },
     /// The check itself failed.
-    #[error("could not read the connected role's privileges: {0}")]
+    #[error("could not read the connected role's privileges: {}", crate::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

@@ -49,7 +49,7 @@ pub enum ActionError {
     #[error("asking the node for the evidence: {0}")]
     Node(String),
     /// The database failed; the SQLSTATE stays in the source.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[source] tokio_postgres::Error),
     /// Another writer appended to the withdrawal's stream first: decided again, the same action
     /// may be refused or change nothing.

@@ -61,7 +61,7 @@ pub enum HotWalletError {
     #[error(transparent)]
     Node(#[from] NodeError),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

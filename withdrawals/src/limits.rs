@@ -44,7 +44,7 @@ pub enum LimitError {
     #[error("{0}")]
     Invalid(String),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 

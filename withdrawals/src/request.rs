@@ -80,7 +80,7 @@ pub enum RequestError {
     #[error("no hot wallet is registered for {0}: `custodian hot-wallet add` first")]
     NoHotWallet(&'static str),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
     /// No database connection could be had.
     #[error("no database connection: {0}")]

@@ -18,7 +18,7 @@ pub enum StoreError {
     #[error(transparent)]
     Conflict(#[from] AppendError),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", custodian_store::describe(.0))]
     Database(#[from] tokio_postgres::Error),
 }
 
