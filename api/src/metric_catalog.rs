@@ -76,7 +76,7 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
         "1 while a lane's hot wallet cannot cover its next withdrawal, per lane",
     ),
     ("custodian_hot_wallet_shortages_total", Kind::Counter, "times a lane's hot wallet became short, per lane (alert)"),
-    ("custodian_lane_errors_total", Kind::Counter, "lane passes that failed transiently and were backed off, per lane"),
+    ("custodian_lane_errors_total", Kind::Counter, "lane passes that failed transiently and were backed off, per chain and lane"),
     (
         "custodian_node_failovers_total",
         Kind::Counter,

@@ -77,7 +77,7 @@ pub enum IngestError {
         chain: Chain,
     },
     /// The database failed.
-    #[error("database error while ingesting {chain} blocks: {source}")]
+    #[error("database error while ingesting {chain} blocks: {}", custodian_store::describe(source))]
     Database {
         /// Chain.
         chain: Chain,

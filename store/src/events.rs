@@ -19,7 +19,7 @@ pub enum AppendError {
         expected_seq: i32,
     },
     /// The database refused for another reason.
-    #[error("could not append to withdrawal {withdrawal_id}: {source}")]
+    #[error("could not append to withdrawal {withdrawal_id}: {}", crate::describe(source))]
     Database {
         /// The stream.
         withdrawal_id: i64,

@@ -15,7 +15,9 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://custodian_app@127.0.0.1:5432/
 /// `CUSTODIAN_MIGRATE_DATABASE_URL` is given: the schema owner on the local server.
 pub const DEFAULT_MIGRATE_DATABASE_URL: &str = "postgres://custodian_owner@127.0.0.1:5432/custodian";
 
-/// Connections per process. Each worker holds at most one at a time; the API shares the rest.
+/// Connections per process: a worker's pass holds up to two for each lane it runs at once (at
+/// most four lanes, `withdrawals::worker::lanes`), the scanners, posting and webhooks share the
+/// rest. The gRPC API has its own pool.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
 /// How long a caller waits for a free connection before the checkout fails (the API answers
@@ -53,7 +55,7 @@ pub enum PoolError {
     #[error("database TLS: {0}")]
     Tls(#[from] TlsError),
     /// One connection could not be opened.
-    #[error("could not connect to PostgreSQL at {url}: {source}")]
+    #[error("could not connect to PostgreSQL at {url}: {}", crate::describe(source))]
     Open {
         /// The URL with any password masked.
         url: String,
@@ -61,13 +63,22 @@ pub enum PoolError {
         source: tokio_postgres::Error,
     },
     /// No connection could be obtained (server down, wrong database, authentication).
-    #[error("could not connect to PostgreSQL at {url}: {source}")]
+    #[error("could not connect to PostgreSQL at {url}: {}", describe_checkout(source))]
     Connect {
         /// The URL with any password masked.
         url: String,
         /// The underlying error.
         source: deadpool_postgres::PoolError,
     },
+}
+
+/// A failed checkout as the server or the pool put it ([`crate::describe`] for the server's
+/// refusals).
+fn describe_checkout(error: &deadpool_postgres::PoolError) -> String {
+    match error {
+        deadpool_postgres::PoolError::Backend(e) => crate::describe(e),
+        other => other.to_string(),
+    }
 }
 
 impl DatabaseUrl {
