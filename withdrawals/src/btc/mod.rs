@@ -1231,6 +1231,45 @@ mod tests {
         assert_eq!(ids, (2151..=2200).collect::<Vec<i64>>(), "the 50 oldest requested, in order");
     }
 
+    /// A lane's coins are read by its addresses (`deposit_event_address_covering`), so the coin
+    /// read, made with the lane locked, grows with the lane's outputs and not with every BTC
+    /// output the scanner stored: here 20,000 of customers' deposits beside the lane's five.
+    #[tokio::test]
+    async fn the_coin_read_probes_the_lanes_addresses_instead_of_every_btc_output() {
+        let db = TestDb::new().await;
+        let account = Xpriv::new_master(bitcoin::Network::Regtest, &[4u8; 32])
+            .unwrap()
+            .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
+            .unwrap();
+        let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
+        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
+        let funding = key.funding_address().to_string();
+        let block = format!("{:064x}", 0xb10c_u64);
+        db.owner_client()
+            .await
+            .batch_execute(&format!(
+                "insert into chain_block (chain, height, block_hash, parent_hash) values ('btc', 1, '{block}', '{:064x}');
+                 insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount, kind)
+                 select 'btc', '{block}', lpad(to_hex(n), 64, '0'), 0,
+                        case when n <= 5 then '{funding}' else 'bcrt1qcustomer' || n end, 'BTC', 10000, 'output'
+                   from generate_series(1, 20005) n;
+                 analyze deposit_event;",
+                0
+            ))
+            .await
+            .unwrap();
+        let client = db.client().await;
+        // The plan the worker runs: generic, as `Pipelined` forces it.
+        client.batch_execute("set plan_cache_mode = force_generic_plan").await.unwrap();
+        client.batch_execute(&format!("prepare coins as {SPENDABLE}")).await.unwrap();
+        let plan = plan(&client, "execute coins('b0', 5000)", &[]).await;
+        assert!(!plan.contains("Seq Scan on deposit_event"), "every BTC output walked:\n{plan}");
+        assert!(plan.contains("deposit_event_address_covering"), "the lane's addresses not probed:\n{plan}");
+        let lane: i64 =
+            client.query_one("select count(*) from btc_lane_coin where lane = 'b0'", &[]).await.unwrap().get(0);
+        assert_eq!(lane, 5, "the lane's own outputs, and only those");
+    }
+
     #[test]
     fn fee_shares_sum_to_the_fee() {
         assert_eq!(fee_shares(1000, &[124, 124]), vec![500, 500]);
