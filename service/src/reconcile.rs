@@ -125,7 +125,9 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
         .get(0);
     drop(client);
     let node = eth_tip.and(eth);
-    for row in rows {
+    // Tokens whose holdings the chain answered with no amount: each a difference of its own.
+    let mut unreadable = Vec::new();
+    'assets: for row in rows {
         let (chain, asset, contract): (String, String, Option<String>) = (row.get(0), row.get(1), row.get(2));
         let (custody, uncredited, owed) = (parse(row.get(3)), parse(row.get(4)), parse(row.get(5)));
         let held = match chain.parse::<Chain>().expect("BUG: asset.chain is checked by the table") {
@@ -149,9 +151,25 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
                                 token.parse().expect("BUG: a stored contract"),
                                 parsed,
                             );
-                            node.call_at(call.to, &call.data, tip)
-                                .await
-                                .map(|out| custodian_withdrawals::payout::returned_u256(&out).unwrap_or_default())
+                            match node.call_at(call.to, &call.data, tip).await {
+                                Ok(out) => match custodian_withdrawals::payout::returned_u256(&out) {
+                                    Some(held) => Ok(held),
+                                    // Not zero: an answer that is no amount says nothing of what we
+                                    // hold (a contract without code answers nothing at all).
+                                    None => {
+                                        unreadable.push(format!(
+                                            "{asset}: cannot read what the chain holds: the token at {token} answered \
+                                             balanceOf({address}) at block {tip} with {} bytes, not an amount (no \
+                                             contract there, or not a token)",
+                                            out.len()
+                                        ));
+                                        metrics::gauge!("custodian_reconciliation_difference", "asset" => asset.clone())
+                                            .set(1.0);
+                                        continue 'assets;
+                                    }
+                                },
+                                Err(e) => Err(e),
+                            }
                         }
                     }
                     .map_err(|e| {
@@ -172,8 +190,9 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
             surplus: sub(custody, owed)?,
         });
     }
-    // A difference: the chain and the ledger disagree, or customers are owed more than we hold.
-    let differences: Vec<String> = lines
+    // A difference: the chain and the ledger disagree, or customers are owed more than we hold,
+    // or the chain's answer for a token is no amount.
+    let mut differences: Vec<String> = lines
         .iter()
         .filter(|l| !l.difference.is_zero() || l.surplus.is_negative())
         .map(|l| {
@@ -188,6 +207,7 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
             }
         })
         .collect();
+    differences.extend(unreadable);
     for line in &lines {
         metrics::gauge!("custodian_reconciliation_difference", "asset" => line.asset.clone())
             .set(if line.difference.is_zero() { 0.0 } else { 1.0 });

@@ -357,3 +357,29 @@ async fn a_top_up_and_a_rebalance_keep_custody_equal_to_what_our_addresses_hold(
     assert_eq!(eth["chain"].as_str(), Some(chain.to_string().as_str()));
     assert_eq!(eth["difference"].as_str(), Some((chain - ledger).to_string().as_str()), "{eth}");
 }
+
+/// A token whose `balanceOf` answer is no amount (its registered contract has no code, so the call
+/// answers nothing) is a difference that says so, not a chain holding zero of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_balance_the_chain_answers_with_no_amount_is_named_unreadable_not_read_as_zero() {
+    let h = Harness::start(&[]).await;
+    let cli = operator_cli(&h).await;
+    let contract = "0x00000000000000000000000000000000000c0de0";
+    let added = cli(args(&format!("asset add --chain eth --contract {contract} --symbol NC --decimals 6"))).await;
+    assert_eq!(added.code, 0, "{}{}", added.stdout, added.stderr);
+    let client = h.db.client().await;
+    let asset: String =
+        client.query_one("select asset from asset where contract = $1", &[&contract]).await.unwrap().get(0);
+    let alice = h.funded_account("alice", ETHER).await;
+    custodian_testkit::fixtures::credit_asset(&client, alice, 1, &asset, 5_000_000).await;
+
+    let found = cli(args("reconcile --json")).await;
+    assert_eq!(found.code, 3, "{}{}", found.stdout, found.stderr);
+    let json = found.json();
+    let named = json["differences"].to_string();
+    assert!(named.contains(&format!("{asset}: cannot read what the chain holds")), "{named}");
+    assert!(named.contains("with 0 bytes, not an amount"), "{named}");
+    assert!(!named.contains(&format!("{asset}: the chain holds 0")), "read as zero: {named}");
+    let lines = json["assets"].as_array().unwrap();
+    assert!(lines.iter().all(|l| l["asset"] != asset.as_str()), "a figure for what could not be read: {lines:?}");
+}
