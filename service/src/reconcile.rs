@@ -144,37 +144,37 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
                 let mut sum = alloy_primitives::U256::ZERO;
                 for address in &eth_addresses {
                     let parsed: alloy_primitives::Address = address.parse().expect("BUG: a stored address");
+                    // Ok(Err(bytes)): a token's answer that is no amount, this many bytes long.
                     let balance = match &contract {
-                        None => node.balance_at(parsed, tip).await,
+                        None => node.balance_at(parsed, tip).await.map(Ok),
                         Some(token) => {
                             let call = custodian_withdrawals::payout::balance_of_call(
                                 token.parse().expect("BUG: a stored contract"),
                                 parsed,
                             );
-                            match node.call_at(call.to, &call.data, tip).await {
-                                Ok(out) => match custodian_withdrawals::payout::returned_u256(&out) {
-                                    Some(held) => Ok(held),
-                                    // Not zero: an answer that is no amount says nothing of what we
-                                    // hold (a contract without code answers nothing at all).
-                                    None => {
-                                        unreadable.push(format!(
-                                            "{asset}: cannot read what the chain holds: the token at {token} answered \
-                                             balanceOf({address}) at block {tip} with {} bytes, not an amount (no \
-                                             contract there, or not a token)",
-                                            out.len()
-                                        ));
-                                        metrics::gauge!("custodian_reconciliation_difference", "asset" => asset.clone())
-                                            .set(1.0);
-                                        continue 'assets;
-                                    }
-                                },
-                                Err(e) => Err(e),
-                            }
+                            node.call_at(call.to, &call.data, tip)
+                                .await
+                                .map(|out| custodian_withdrawals::payout::returned_u256(&out).ok_or(out.len()))
                         }
                     }
                     .map_err(|e| {
                         ReconcileError::Node(format!("reading {asset} held by {address} at block {tip}: {e}"))
                     })?;
+                    // Not zero: an answer that is no amount says nothing of what we hold (a
+                    // contract without code answers nothing at all).
+                    let balance = match balance {
+                        Ok(held) => held,
+                        Err(bytes) => {
+                            let token = contract.as_deref().unwrap_or_default();
+                            unreadable.push(format!(
+                                "{asset}: cannot read what the chain holds: the token at {token} answered \
+                                 balanceOf({address}) at block {tip} with {bytes} bytes, not an amount (no contract \
+                                 there, or not a token)"
+                            ));
+                            metrics::gauge!("custodian_reconciliation_difference", "asset" => asset.clone()).set(1.0);
+                            continue 'assets;
+                        }
+                    };
                     sum = sum.checked_add(balance).ok_or_else(|| ReconcileError::Overflow(format!("{asset} held")))?;
                 }
                 SignedAmount::from(Amount::from_units(sum))

@@ -31,6 +31,19 @@ pub async fn plan(client: &tokio_postgres::Client, sql: &str, params: &[&(dyn To
     column::<String>(client, &format!("explain {sql}"), params).await.join("\n")
 }
 
+/// The generic plan of `statement` with the parameters `args` (SQL literals, as `execute` takes
+/// them): the plan the service runs, since `Pipelined` forces generic plans. The session's
+/// `plan_cache_mode` stays forced generic afterwards.
+pub async fn generic_plan(client: &tokio_postgres::Client, statement: &str, args: &str) -> String {
+    client
+        .batch_execute(&format!("set plan_cache_mode = force_generic_plan; prepare generic_plan_probe as {statement}"))
+        .await
+        .expect("preparing the statement to explain");
+    let plan = plan(client, &format!("execute generic_plan_probe({args})"), &[]).await;
+    client.batch_execute("deallocate generic_plan_probe").await.expect("deallocating the explained statement");
+    plan
+}
+
 /// A migrated database of its own, dropped when the value is dropped.
 ///
 /// It is owned by `custodian_owner`, which migrated it; [`TestDb::url`] and [`TestDb::pool`]

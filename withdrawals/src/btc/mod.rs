@@ -1198,10 +1198,22 @@ impl BtcWorker {
 mod tests {
     use super::*;
     use bitcoin::bip32::{DerivationPath, Xpriv};
-    use custodian_testkit::db::plan;
+    use custodian_testkit::db::generic_plan;
     use custodian_testkit::fixtures::stale_requested_queue;
     use custodian_testkit::TestDb;
     use std::str::FromStr;
+
+    /// A database with one BTC lane, `b0`, its account key derived from `seed`.
+    async fn lane_b0(seed: u8) -> (TestDb, BtcHotKey) {
+        let db = TestDb::new().await;
+        let account = Xpriv::new_master(bitcoin::Network::Regtest, &[seed; 32])
+            .unwrap()
+            .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
+            .unwrap();
+        let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
+        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
+        (db, key)
+    }
 
     /// The lane's batch is read from the requested queue's index whatever the statistics say: on
     /// statistics taken while most of a long history was still requested, the generic plan walked
@@ -1209,21 +1221,12 @@ mod tests {
     /// in the BTC allocation bench, and growing with the history).
     #[tokio::test]
     async fn the_lane_lock_reads_the_oldest_requested_by_the_queue_index_after_stale_statistics() {
-        let db = TestDb::new().await;
-        let account = Xpriv::new_master(bitcoin::Network::Regtest, &[3u8; 32])
-            .unwrap()
-            .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
-            .unwrap();
-        let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
-        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
+        let (db, key) = lane_b0(3).await;
         let destination = key.change_address(7).to_string();
         stale_requested_queue(&db.owner_client().await, ("btc", "BTC"), "b0", &destination, 20_000).await;
         let client = db.client().await;
-        // The plan the worker runs: generic, as `Pipelined` forces it.
-        client.batch_execute("set plan_cache_mode = force_generic_plan").await.unwrap();
+        let plan = generic_plan(&client, LOCK_LANE_AND_WITHDRAWALS, "'b0', 50, 0").await;
         let lock = client.prepare(LOCK_LANE_AND_WITHDRAWALS).await.unwrap();
-        client.batch_execute(&format!("prepare lock_lane as {LOCK_LANE_AND_WITHDRAWALS}")).await.unwrap();
-        let plan = plan(&client, "execute lock_lane('b0', 50, 0)", &[]).await;
         assert!(plan.contains("using withdrawal_requested"), "the batch not read from the queue index:\n{plan}");
         assert!(!plan.contains("using withdrawal_pkey on withdrawal"), "the batch read in id order, filtered:\n{plan}");
         let ids: Vec<i64> =
@@ -1236,13 +1239,7 @@ mod tests {
     /// output the scanner stored: here 20,000 of customers' deposits beside the lane's five.
     #[tokio::test]
     async fn the_coin_read_probes_the_lanes_addresses_instead_of_every_btc_output() {
-        let db = TestDb::new().await;
-        let account = Xpriv::new_master(bitcoin::Network::Regtest, &[4u8; 32])
-            .unwrap()
-            .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
-            .unwrap();
-        let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
-        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
+        let (db, key) = lane_b0(4).await;
         let funding = key.funding_address().to_string();
         let block = format!("{:064x}", 0xb10c_u64);
         db.owner_client()
@@ -1259,10 +1256,7 @@ mod tests {
             .await
             .unwrap();
         let client = db.client().await;
-        // The plan the worker runs: generic, as `Pipelined` forces it.
-        client.batch_execute("set plan_cache_mode = force_generic_plan").await.unwrap();
-        client.batch_execute(&format!("prepare coins as {SPENDABLE}")).await.unwrap();
-        let plan = plan(&client, "execute coins('b0', 5000)", &[]).await;
+        let plan = generic_plan(&client, SPENDABLE, "'b0', 5000").await;
         assert!(!plan.contains("Seq Scan on deposit_event"), "every BTC output walked:\n{plan}");
         assert!(plan.contains("deposit_event_address_covering"), "the lane's addresses not probed:\n{plan}");
         let lane: i64 =

@@ -264,7 +264,7 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use custodian_testkit::db::plan;
+    use custodian_testkit::db::generic_plan;
     use custodian_testkit::TestDb;
 
     /// The worker names the withdrawals it wants (read from the queue before pricing), so the
@@ -292,10 +292,7 @@ mod tests {
             .await
             .unwrap();
         let client = db.client().await;
-        // The plan the worker runs: generic, as `Pipelined` forces it.
-        client.batch_execute("set plan_cache_mode = force_generic_plan").await.unwrap();
-        client.batch_execute(&format!("prepare lock_lane as {LOCK_LANE_AND_WITHDRAWALS}")).await.unwrap();
-        let plan = plan(&client, "execute lock_lane('e0', '{1201, 1202, 5, 2200}')", &[]).await;
+        let plan = generic_plan(&client, LOCK_LANE_AND_WITHDRAWALS, "'e0', '{1201, 1202, 5, 2200}'").await;
         assert!(!plan.contains("withdrawal_requested"), "the named withdrawals looked for in the queue:\n{plan}");
         assert!(plan.contains("withdrawal_pkey on withdrawal"), "the named withdrawals not found by key:\n{plan}");
 
