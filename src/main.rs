@@ -40,7 +40,8 @@ fn main() -> std::process::ExitCode {
         Ok(exit) => exit.into(),
         Err(error) => {
             let exit = exit::classify(&error);
-            eprintln!("error: {error:#}");
+            let message = exit::message(&error);
+            eprintln!("error: {message}");
             if json {
                 // Machine-readable too: the message and the exit code on stdout.
                 let kind = match exit {
@@ -48,10 +49,7 @@ fn main() -> std::process::ExitCode {
                     exit::Exit::Verification => "verification",
                     _ => "operational",
                 };
-                println!(
-                    "{}",
-                    serde_json::json!({ "error": format!("{error:#}"), "kind": kind, "exit_code": exit as u8 })
-                );
+                println!("{}", serde_json::json!({ "error": message, "kind": kind, "exit_code": exit as u8 }));
             }
             exit.into()
         }

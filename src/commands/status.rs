@@ -38,13 +38,13 @@ pub async fn run(settings: &Settings) -> Result<Exit> {
         Ok(pool) => match pool.get().await {
             Ok(client) => match migrate::current_version(&client).await {
                 Ok(version) => (true, None, version),
-                Err(e) => (true, Some(e.to_string()), None),
+                Err(e) => (true, Some(crate::exit::message(&e.into())), None),
             },
-            Err(e) => (false, Some(e.to_string()), None),
+            Err(e) => (false, Some(crate::exit::message(&e.into())), None),
         },
         // A role that may not run the service is a refusal, not an unreachable database.
         Err(e) if crate::exit::classify(&e) == Exit::Usage => return Err(e),
-        Err(e) => (false, Some(format!("{e:#}")), None),
+        Err(e) => (false, Some(crate::exit::message(&e)), None),
     };
     let status = Status {
         database: DatabaseStatus {

@@ -72,6 +72,29 @@ fn under_json_an_error_is_json_too() {
     assert!(run.stderr.contains("possible values: requested"), "{}", run.stderr);
 }
 
+/// A database error is said once, in the server's words with its SQLSTATE: before, a refused
+/// connection named its cause three times behind deadpool's "Error occurred while creating a new
+/// object", and a refused read said "db error: ERROR: permission denied …" with no code.
+#[tokio::test]
+async fn a_database_error_is_said_once_in_the_servers_words() {
+    let refused = custodian("postgres://custodian_app@127.0.0.1:1/custodian", &["balances", "--json"]);
+    assert_eq!(refused.code, 1, "{}", refused.stderr);
+    assert_eq!(refused.stderr.matches("Connection refused").count(), 1, "{}", refused.stderr);
+    assert!(!refused.stderr.contains("creating a new object"), "{}", refused.stderr);
+    assert_eq!(refused.json()["error"].as_str(), refused.stderr.trim().strip_prefix("error: "), "one message");
+    let status = custodian("postgres://custodian_app@127.0.0.1:1/custodian", &["status", "--json"]);
+    let said = status.json()["database"]["error"].as_str().map(|e| e.matches("Connection refused").count());
+    assert_eq!(said, Some(1), "{}", status.stdout);
+
+    let db = TestDb::new().await;
+    let reader = db.url.expose().replacen("custodian_app@", "custodian_reader@", 1);
+    let denied = custodian(&reader, &["deposits"]);
+    assert_eq!(denied.code, 1, "{}", denied.stderr);
+    assert!(denied.stderr.contains("(SQLSTATE 42501)"), "{}", denied.stderr);
+    assert_eq!(denied.stderr.matches("permission denied for table").count(), 1, "{}", denied.stderr);
+    assert!(!denied.stderr.contains("db error"), "{}", denied.stderr);
+}
+
 #[test]
 fn usage_errors_exit_with_2() {
     let run = custodian("postgres://postgres@127.0.0.1:5432/custodian", &["no-such-command"]);
