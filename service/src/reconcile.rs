@@ -134,7 +134,11 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
             Chain::Btc => parse(&btc_held),
             Chain::Eth => {
                 let (Some(node), Some(tip)) = (node, eth_tip) else {
-                    skipped.push(format!("{asset}: no Ethereum node configured (--eth-rpc) or nothing scanned yet"));
+                    skipped.push(if eth.is_none() {
+                        format!("{asset}: no Ethereum node configured (--eth-rpc)")
+                    } else {
+                        format!("{asset}: no Ethereum block scanned yet")
+                    });
                     continue;
                 };
                 // Our tip, or the node's if it is behind ours (it cannot answer for blocks it lacks).
@@ -216,28 +220,67 @@ pub async fn once(eth: Option<&EthNode>, pool: &Pool) -> Result<Reconciliation, 
 }
 
 /// [`once`] every [`INTERVAL`], each difference an alert; soon again while an asset could not be
-/// read yet (its chain not scanned yet, say) or the reconciliation failed.
+/// read yet (its chain not scanned yet) or the reconciliation failed. Which assets it skips, and
+/// why, is logged when that changes, not every round.
 pub async fn periodically(eth: Option<EthNode>, pool: Pool, mut stopped: watch::Receiver<bool>) {
+    let mut skipping: Vec<String> = Vec::new();
     while !*stopped.borrow() {
-        let wait = match once(eth.as_ref(), &pool).await {
+        let found = once(eth.as_ref(), &pool).await;
+        match &found {
             Ok(found) => {
                 for difference in &found.differences {
                     tracing::error!("ALERT: reconciliation: {difference}");
                 }
-                if found.skipped.is_empty() {
-                    INTERVAL
-                } else {
-                    RETRY
+                if found.skipped != skipping {
+                    if found.skipped.is_empty() {
+                        tracing::info!("reconciliation: every asset is reconciled again");
+                    }
+                    for skipped in &found.skipped {
+                        tracing::warn!("reconciliation skips {skipped}");
+                    }
+                    skipping.clone_from(&found.skipped);
                 }
             }
-            Err(e) => {
-                tracing::warn!("reconciling the ledger with the chain failed; tried again soon: {e}");
-                RETRY
-            }
-        };
+            Err(e) => tracing::warn!("reconciling the ledger with the chain failed; tried again soon: {e}"),
+        }
         tokio::select! {
             _ = stopped.changed() => {}
-            _ = tokio::time::sleep(wait) => {}
+            _ = tokio::time::sleep(next_round(eth.is_some(), &found)) => {}
         }
+    }
+}
+
+/// How long until the next reconciliation: soon after a failure, or while the Ethereum node is
+/// configured and an asset was skipped (nothing scanned yet: it will be); else [`INTERVAL`]. An
+/// asset skipped because no node is configured stays skipped: retrying it soon reads the ledger
+/// every few seconds for nothing.
+fn next_round(eth_configured: bool, found: &Result<Reconciliation, ReconcileError>) -> Duration {
+    match found {
+        Ok(found) if eth_configured && !found.skipped.is_empty() => RETRY,
+        Ok(_) => INTERVAL,
+        Err(_) => RETRY,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn skipping(skipped: &[&str]) -> Result<Reconciliation, ReconcileError> {
+        Ok(Reconciliation {
+            assets: Vec::new(),
+            differences: Vec::new(),
+            skipped: skipped.iter().map(|s| (*s).to_owned()).collect(),
+        })
+    }
+
+    #[test]
+    fn an_asset_skipped_for_want_of_a_node_waits_the_interval_one_not_scanned_yet_is_retried_soon() {
+        assert_eq!(next_round(false, &skipping(&["ETH: no Ethereum node configured (--eth-rpc)"])), INTERVAL);
+        assert_eq!(next_round(true, &skipping(&["ETH: no Ethereum block scanned yet"])), RETRY);
+        assert_eq!(next_round(true, &skipping(&[])), INTERVAL);
+        assert_eq!(next_round(false, &skipping(&[])), INTERVAL);
+        assert_eq!(next_round(true, &Err(ReconcileError::Node("down".into()))), RETRY);
+        assert_eq!(next_round(false, &Err(ReconcileError::Overflow("ETH".into()))), RETRY);
     }
 }
