@@ -387,7 +387,8 @@ pub struct Withdrawal {
     /// State before a cancel was requested.
     state_before_cancel: Option<WithdrawalState>,
     /// Chain head when the live attempt was first accepted by the node (or signed, for a bump or
-    /// an event recorded before acceptance was kept): bumps count blocks from here.
+    /// an event recorded before acceptance was kept; after a reorg, the block it had been mined
+    /// in): bumps count blocks from here.
     attempt_at_block: Option<u64>,
     /// The attempt to keep alive on the network: the latest signed (original, bump or cancel),
     /// or, after its block was reorged out, the one that had been mined.
@@ -483,7 +484,8 @@ impl Withdrawal {
     }
 
     /// Chain head when the live attempt was first accepted by the node (or signed, for a bump or
-    /// an event recorded before acceptance was kept): bumps count blocks from here.
+    /// an event recorded before acceptance was kept; after a reorg, the block it had been mined
+    /// in): bumps count blocks from here.
     pub fn attempt_at_block(&self) -> Option<u64> {
         self.attempt_at_block
     }
@@ -641,7 +643,11 @@ impl Withdrawal {
             }
             E::Unmined { tx_hash, .. } => {
                 // The mined bytes go out again; a cancel requested before they mined still
-                // stands (whichever of our attempts mines next decides the outcome).
+                // stands (whichever of our attempts mines next decides the outcome). Their age
+                // counts from the block they were mined in: a reorg is no sign that their fee
+                // was too low, and a replacement sent at once would have to outbid any spend of
+                // their change too (BIP-125).
+                self.attempt_at_block = self.mined_block_number.or(self.attempt_at_block);
                 self.mined_block_hash = None;
                 self.mined_block_number = None;
                 self.live_attempt = Some(*tx_hash);
@@ -835,6 +841,8 @@ mod tests {
         .unwrap();
         assert_eq!(raced.state, S::CancelRequested);
         assert_eq!(raced.live_attempt, Some(tx(0x01)));
+        // Its age counts from the block it was mined in, not from the bump before it mined.
+        assert_eq!(raced.attempt_at_block, Some(5));
         // Age counts from first acceptance, not from signing; a bump restarts it.
         let accepted = Withdrawal::fold(
             crate::WithdrawalId::new(9),

@@ -586,6 +586,39 @@ async fn a_reorged_payout_is_sent_again_and_settled_once() {
     p.verify().await;
 }
 
+/// A spend its block was reorged out of is sent again as it was, and its age counts from the
+/// block it had been mined in: before, the age still counted from its first broadcast, so a reorg
+/// two blocks deep made it "unmined for 3 blocks" at once and it was replaced by a higher fee in
+/// the very pass that sent it back (and, had a spend of its change followed it, the replacement
+/// would have had to pay for that child too, BIP-125).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reorged_payout_is_not_bumped_in_the_pass_that_sends_it_back() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 3, ..BtcConfig::default() });
+    let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
+    worker.pass().await.unwrap();
+    let txid: Txid = p.load(w.id().get()).await.tx_hash().unwrap().to_string().parse().unwrap();
+    p.sim.mine_mempool();
+    p.sim.mine_empty(1);
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(w.id().get()).await.state(), WithdrawalState::Mined, "two blocks deep of three");
+    // Both blocks are replaced by three without it: the tip is three above its first broadcast.
+    p.sim.reorg(2, &[vec![], vec![], vec![]]);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.unmined, report.bumped), (1, 0), "{report:?}");
+    assert!(p.sim.mempool().contains(&txid), "the mined bytes went out again, not a replacement");
+    assert_eq!(p.load(w.id().get()).await.live_attempt().map(|h| h.to_string()), Some(txid.to_string()));
+    p.settle(&[&worker], &[w.id().get()], 6).await;
+    let done = p.load(w.id().get()).await;
+    assert_eq!(
+        (done.state(), done.tx_hash().map(|h| h.to_string())),
+        (WithdrawalState::Confirmed, Some(txid.to_string()))
+    );
+    p.verify().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_the_lane() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
