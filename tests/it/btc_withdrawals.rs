@@ -619,6 +619,47 @@ async fn a_reorged_payout_is_not_bumped_in_the_pass_that_sends_it_back() {
     p.verify().await;
 }
 
+/// The withdrawals one transaction pays move together: a pass stopped while it records a spend's
+/// `unmined` (here cancelled while another transaction holds one of the two rows, as a crash
+/// would stop it) leaves both as they were, and the next pass moves both. Before, each was
+/// recorded in a transaction of its own: the first became `broadcast`, the second stayed `mined`
+/// on a block no longer canonical, and the next pass, reading the first, never unmined it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_stopped_while_recording_a_spend_leaves_its_withdrawals_together() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 100, ..BtcConfig::default() });
+    let (_, first) = p.request_n(0).await;
+    let (_, second) = p.request_n(1).await;
+    worker.pass().await.unwrap();
+    let p = &p;
+    let state = |id| async move { p.load(id).await.state() };
+    assert_eq!(p.load(first).await.tx_hash(), p.load(second).await.tx_hash(), "one transaction pays both");
+    p.sim.mine_mempool();
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!((state(first).await, state(second).await), (WithdrawalState::Mined, WithdrawalState::Mined));
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+
+    let mut holder = p.db.client().await;
+    let held = holder.transaction().await.unwrap();
+    held.execute("select 1 from withdrawal where id = $1 for update", &[&second]).await.unwrap();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(2), worker.pass()).await;
+    assert!(stopped.is_err(), "the pass waits for the held row");
+    assert_eq!(
+        (state(first).await, state(second).await),
+        (WithdrawalState::Mined, WithdrawalState::Mined),
+        "a spend's withdrawals are recorded together or not at all"
+    );
+    held.rollback().await.unwrap();
+
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.unmined, 2, "{report:?}");
+    p.settle(&[&worker], &[first, second], 6).await;
+    assert_eq!((state(first).await, state(second).await), (WithdrawalState::Confirmed, WithdrawalState::Confirmed));
+    p.verify().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_the_lane() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;

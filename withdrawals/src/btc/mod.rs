@@ -32,7 +32,7 @@ use self::tx::{Coin, FeeRate, P2WPKH_SCRIPT_LEN};
 use crate::btc_key::{BtcHotKey, KeyPath};
 use crate::hot_wallet::{self, Lane};
 use crate::sql;
-use crate::worker::{lanes, record, verified_request, PassReport, WorkError};
+use crate::worker::{self, lanes, verified_request, PassReport, Recording, WorkError};
 
 /// How BTC withdrawals are batched, priced and settled (`[btc]` in the configuration).
 #[derive(Debug, Clone)]
@@ -787,20 +787,22 @@ impl BtcWorker {
         })
     }
 
-    /// Appends `event` to every withdrawal of `spend` that still passes `still`; how many took it.
+    /// Appends `event` to every withdrawal of `spend` that still passes `still`, in one
+    /// transaction ([`worker::record_all`]): the withdrawals one transaction pays move together, so
+    /// a pass stopped midway never leaves some of them behind (reading the first of a spend
+    /// stands for all of it). How many took it.
     async fn record_all(
         &self,
         spend: &OpenSpend,
-        still: impl Fn(&Withdrawal) -> bool + Copy,
+        still: impl Fn(&Withdrawal) -> bool + Copy + Send + Sync + 'static,
         event: &WithdrawalEvent,
     ) -> Result<u64, WorkError> {
-        let mut n = 0;
-        for id in &spend.withdrawals {
-            if record(&self.pool, *id, still, event.clone()).await? {
-                n += 1;
-            }
-        }
-        Ok(n)
+        let items = spend
+            .withdrawals
+            .iter()
+            .map(|id| Recording { id: *id, still: Box::new(still), event: event.clone() })
+            .collect();
+        Ok(worker::record_all(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64)
     }
 
     /// Settles by the reserved coins: the sibling that spent them in a canonical block paid
@@ -916,13 +918,18 @@ impl BtcWorker {
                 payouts.iter().map(|r| u64::try_from(r.get::<_, i32>(1)).expect("BUG: weight")).collect();
             let shares: HashMap<i64, u64> =
                 payouts.iter().map(|r| r.get::<_, i64>(0)).zip(fee_shares(attempt.fee, &weights)).collect();
-            for id in &spend.withdrawals {
-                let fee = units(shares[id]);
-                let event = WithdrawalEvent::Confirmed { tx_hash, block_hash, fee };
-                if record(&self.pool, *id, mined, event).await? {
-                    report.confirmed += 1;
-                }
-            }
+            // Together, each with its share of the fee.
+            let items = spend
+                .withdrawals
+                .iter()
+                .map(|id| Recording {
+                    id: *id,
+                    still: Box::new(mined),
+                    event: WithdrawalEvent::Confirmed { tx_hash, block_hash, fee: units(shares[id]) },
+                })
+                .collect();
+            report.confirmed +=
+                worker::record_all(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64;
         }
         Ok(())
     }
