@@ -228,11 +228,19 @@ pub async fn retire(settings: &Settings, lane: &str) -> Result<Exit> {
 }
 
 pub async fn rebroadcast(settings: &Settings, id: i64) -> Result<Exit> {
-    let node = node(settings)?;
     let pool = super::pool(settings).await?;
     let client = pool.get().await?;
     super::principal(settings, &client, Scope::Admin, "withdrawals rebroadcast").await?;
-    let hash = actions::rebroadcast(&client, &node, id).await.map_err(action_error)?;
+    let btc = client.query_opt("select 1 from withdrawal where id = $1 and chain = 'btc'", &[&id]).await?.is_some();
+    let hash = if btc {
+        let url = settings.btc_rpc.as_deref().ok_or_else(|| {
+            invalid(format!("withdrawal {id} is a BTC one: set --btc-rpc or CUSTODIAN_BTC_RPC_URL to send it again"))
+        })?;
+        let rpc = BtcRpc::new(url, settings.btc_auth.clone()).map_err(|e| invalid(e.to_string()))?;
+        actions::rebroadcast_btc(&client, &BtcNode::new(rpc), id).await.map_err(action_error)?
+    } else {
+        actions::rebroadcast(&client, &node(settings)?, id).await.map_err(action_error)?
+    };
     if settings.json {
         super::print_json(&json!({ "withdrawal_id": id, "tx_hash": hash }))?;
     } else {

@@ -619,6 +619,61 @@ async fn a_reorged_payout_is_not_bumped_in_the_pass_that_sends_it_back() {
     p.verify().await;
 }
 
+/// A confirmed payout whose block a reorg deeper than the confirmation depth took away, and
+/// which the new branch does not mine again, is `needs_review` with an alert and the lane pauses,
+/// as ETH's is (before, it stayed `confirmed`: the ledger said paid, the chain did not). The way
+/// out: its bytes sent again (`rebroadcast_btc`), and once mined and buried, resolved paid by
+/// that transaction, settled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_until_paid_again() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, bump_after_blocks: 100, ..BtcConfig::default() });
+    let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
+    let id = w.id().get();
+    worker.pass().await.unwrap();
+    p.sim.mine_mempool();
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(id).await.state(), WithdrawalState::Confirmed);
+    let txid = p.load(id).await.tx_hash().unwrap().to_string();
+    let settled = crate::ledger_support::available(&p.db, p.alice).await;
+
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    let first = worker.pass().await.unwrap();
+    assert_eq!(first.needs_review, 0, "one finding is not yet an alert: {first:?}");
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let again = worker.pass().await.unwrap();
+    assert_eq!((again.needs_review, again.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{again:?}");
+    let review = p.load(id).await;
+    assert_eq!(review.state(), WithdrawalState::NeedsReview);
+    let events = p.events(id).await;
+    assert!(
+        matches!(events.last(), Some(WithdrawalEvent::NeedsReview { reason }) if reason.contains("deeper than the confirmation depth")),
+        "{events:?}"
+    );
+
+    // Nothing spent its coins: not resolvable yet, either way; its bytes go out again by hand.
+    let resolve = |resolution: actions::Resolution| {
+        let pool = p.db.pool.clone();
+        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), id, &resolution, 1, "dana").await }
+    };
+    let early = resolve(actions::Resolution::PaidBy(txid.clone())).await.unwrap_err();
+    assert!(early.to_string().contains("rebroadcast"), "{early}");
+    let sent = actions::rebroadcast_btc(&p.db.pool.get().await.unwrap(), worker.node(), id).await.unwrap();
+    assert_eq!(sent.to_string(), txid);
+    assert!(p.sim.mempool().iter().any(|t| t.to_string() == txid), "sent again");
+    p.sim.mine_mempool();
+    p.scan().await;
+    let not_paid = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    assert!(not_paid.to_string().contains(&format!("resolve it --paid-by {txid}")), "{not_paid}");
+    let resolved = resolve(actions::Resolution::PaidBy(txid.clone())).await.unwrap();
+    assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Confirmed, true));
+    assert_eq!(crate::ledger_support::available(&p.db, p.alice).await, settled, "settled once, not twice");
+    p.verify().await;
+}
+
 /// The withdrawals one transaction pays move together: a pass stopped while it records a spend's
 /// `unmined` (here cancelled while another transaction holds one of the two rows, as a crash
 /// would stop it) leaves both as they were, and the next pass moves both. Before, each was
@@ -682,6 +737,7 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
         vec![custodian_withdrawals::btc::tx::pay(p.sim.address(AddrKind::P2wpkh, 66).script_pubkey(), 990_000)],
     );
     p.keys["b0"].sign(&mut theft, &[(custodian_withdrawals::btc_key::KeyPath::Funding, Sats::from_sat(1_000_000))]);
+    let theft_txid = theft.compute_txid();
     p.sim.mine(&[theft]);
     p.scan().await;
     let report = worker.pass().await.unwrap();
@@ -712,7 +768,17 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     )
     .await
     .unwrap_err();
-    assert!(paid_by.to_string().contains("cannot be resolved --paid-by"), "{paid_by}");
+    assert!(paid_by.to_string().contains("did not spend its reserved coins"), "{paid_by}");
+    let by_theft = actions::resolve_btc(
+        &mut p.db.pool.get().await.unwrap(),
+        w.id().get(),
+        &actions::Resolution::PaidBy(theft_txid.to_string()),
+        1,
+        "dana",
+    )
+    .await
+    .unwrap_err();
+    assert!(by_theft.to_string().contains("cannot be resolved --paid-by"), "{by_theft}");
     p.sim.mine_empty(1);
     p.scan().await;
     let before = crate::ledger_support::available(&p.db, p.alice).await;

@@ -1,8 +1,8 @@
 //! What operators and clients do to a withdrawal after requesting it: approve, cancel, and
 //! resolve one that needs review.
 
-use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{Amount, BlockHash, ChainAddress, TxHash};
+use custodian_domain::withdrawal::{AttemptKind, Withdrawal, WithdrawalEvent, WithdrawalState};
+use custodian_domain::{Amount, BlockHash, Chain, ChainAddress, TxHash};
 
 use crate::payout::{hex, token_of, token_paid};
 use crate::rpc::EthNode;
@@ -309,13 +309,17 @@ pub async fn resolve(
     record_resolution(client, id, event, by, None).await
 }
 
-/// Resolves a BTC withdrawal in `needs_review` on `by`'s authority, from the chain as scanned: it
-/// is there because a coin its spend reserved was spent by a transaction that is none of its
-/// attempts. `NotPaid` needs that spend buried under `confirmations` blocks; it releases the hold,
-/// and once no withdrawal of the spend holds funds, the spend's reservations (its other coins are
-/// spendable again). What the outside transaction took is a loss `reconcile` keeps naming until
-/// finance books it. `PaidBy` is refused for BTC: the outside transaction's outputs to addresses
-/// we do not watch are not observed, so the payment cannot be checked here.
+/// Resolves a BTC withdrawal in `needs_review` on `by`'s authority, from the chain as scanned:
+/// whichever transaction spent its spend's reserved coins in a canonical block, buried under
+/// `confirmations` blocks, decides. One of its own payouts (the original or a bump; a payout
+/// confirmed before a reorg deeper than the depth took it, then mined again): `PaidBy` that
+/// transaction, with its share of the fee (a settlement already booked is not booked again). Its
+/// cancel: `NotPaid`, the hold released and its share of the cancel's fee charged. A transaction
+/// none of ours (the key used outside the service): `NotPaid` releases the hold, and what it took
+/// is a loss `reconcile` keeps naming until finance books it; `PaidBy` is refused, as its outputs
+/// to addresses we do not watch are not observed. Once no withdrawal of the spend is left in
+/// review, its reservations are released (its other coins are spendable again). Nothing spent the
+/// coins: refused; `rebroadcast_btc` sends the bytes again.
 ///
 /// # Cancel safety
 /// One transaction after the reads; cancelled, it writes nothing.
@@ -326,55 +330,116 @@ pub async fn resolve_btc(
     confirmations: u64,
     by: &str,
 ) -> Result<Resolved, ActionError> {
-    let (_, by) = under_review(client, id, by).await?;
+    let (w, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
-    if let Resolution::PaidBy(hash) = resolution {
-        return Err(refuse(format!(
-            "a BTC withdrawal cannot be resolved --paid-by {hash}: the outputs of a transaction that is none of ours are \
-             not observed when they pay addresses we do not watch; check it on a node, and if it paid, book it with \
-             finance; --not-paid releases the hold"
-        )));
-    }
     let spend: Option<i64> = client
         .query_opt("select spend_id from btc_spend_payout where withdrawal_id = $1", &[&id])
         .await?
         .map(|r| r.get(0));
-    if let Some(spend) = spend {
-        let spent = client
-            .query(
-                "select s.spending_tx, b.block_hash, t.height - b.height + 1, a.tx_hash is not null
-                   from utxo_reservation r
-                   join output_spend s on s.chain = 'btc' and s.tx_hash = r.tx_hash and s.output_index = r.output_index
-                   join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
-                   join chain_tip t on t.chain = 'btc'
-                   left join btc_attempt a on a.tx_hash = s.spending_tx and a.spend_id = r.spend_id
-                  where r.spend_id = $1",
-                &[&spend],
-            )
-            .await?;
-        if let Some(ours) = spent.iter().find(|r| r.get::<_, bool>(3)) {
-            return Err(refuse(format!(
-                "its attempt {} spent the reserved coins in block {}: the worker settles it",
-                ours.get::<_, String>(0),
-                ours.get::<_, String>(1)
-            )));
+    let Some(spend) = spend else {
+        if let Resolution::PaidBy(hash) = resolution {
+            return Err(refuse(format!("it was never signed: no transaction of ours, {hash} or another, paid it")));
         }
-        let Some(outside) = spent.first() else {
-            return Err(refuse(
-                "no reserved coin of its transaction is spent on the canonical chain: nothing stops it \
-                               from being mined; rebroadcast it instead"
-                    .into(),
-            ));
-        };
-        let depth = u64::try_from(outside.get::<_, i64>(2)).unwrap_or(0);
-        if depth < confirmations {
-            return Err(refuse(format!(
-                "the outside spend {} has {depth} confirmations, fewer than {confirmations}: a reorg could still undo it",
-                outside.get::<_, String>(0)
-            )));
-        }
+        return record_resolution(client, id, paid_nothing(by), by, None).await;
+    };
+    // Each reserved coin spent on the canonical chain: by which transaction, in which block, how
+    // deep, and, when the spender is one of the spend's own attempts, its kind and fee.
+    let spent = client
+        .query(
+            "select s.spending_tx, b.block_hash, t.height - b.height + 1, a.kind, a.fee::text
+               from utxo_reservation r
+               join output_spend s on s.chain = 'btc' and s.tx_hash = r.tx_hash and s.output_index = r.output_index
+               join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+               join chain_tip t on t.chain = 'btc'
+               left join btc_attempt a on a.tx_hash = s.spending_tx and a.spend_id = r.spend_id
+              where r.spend_id = $1",
+            &[&spend],
+        )
+        .await?;
+    let Some(spender) = spent.iter().find(|r| r.get::<_, Option<&str>>(3).is_some()).or(spent.first()) else {
+        return Err(refuse(
+            "no reserved coin of its transaction is spent on the canonical chain: nothing stops it from being \
+             mined; send it again (withdrawals rebroadcast) and resolve it --paid-by once it is mined and buried"
+                .into(),
+        ));
+    };
+    let (tx_hash, block_hash): (String, String) = (spender.get(0), spender.get(1));
+    let depth = u64::try_from(spender.get::<_, i64>(2)).unwrap_or(0);
+    if depth < confirmations {
+        return Err(refuse(format!(
+            "transaction {tx_hash}, which spent its reserved coins, has {depth} confirmations, fewer than \
+             {confirmations}: a reorg could still undo it"
+        )));
     }
-    record_resolution(client, id, paid_nothing(by), by, spend).await
+    let kind: Option<AttemptKind> = spender.get::<_, Option<&str>>(3).map(sql::stored_kind);
+    let evidence = || {
+        (
+            Some(TxHash::parse(Chain::Btc, &tx_hash).expect("BUG: output_spend.spending_tx is checked by the table")),
+            Some(
+                BlockHash::parse(Chain::Btc, &block_hash).expect("BUG: chain_block.block_hash is checked by the table"),
+            ),
+        )
+    };
+    let event = match (resolution, kind) {
+        // One of its own payouts (the original or a bump) spent the coins: it paid, with its share
+        // of that transaction's fee (once: a withdrawal confirmed before a deep reorg settles once).
+        (Resolution::PaidBy(hash), Some(AttemptKind::Original | AttemptKind::Bump)) if *hash == tx_hash => {
+            let (tx_hash, block_hash) = evidence();
+            let fee = fee_share(client, spend, id, spender.get::<_, String>(4).parse().expect("BUG: a fee")).await?;
+            WithdrawalEvent::Resolved { paid: true, tx_hash, block_hash, fee, by: by.to_owned() }
+        }
+        (Resolution::PaidBy(hash), _) if *hash != tx_hash => {
+            return Err(refuse(format!(
+                "transaction {hash} did not spend its reserved coins on the canonical chain; {tx_hash} did"
+            )))
+        }
+        (Resolution::PaidBy(hash), Some(AttemptKind::Cancel)) => {
+            return Err(refuse(format!(
+                "transaction {hash} is its cancel: it paid the coins back to us, not the customer"
+            )))
+        }
+        (Resolution::PaidBy(hash), _) => {
+            return Err(refuse(format!(
+                "a BTC withdrawal cannot be resolved --paid-by {hash}, a transaction none of ours: its outputs to \
+                 addresses we do not watch are not observed; check it on a node, and if it paid, book it with \
+                 finance; --not-paid releases the hold"
+            )))
+        }
+        (Resolution::NotPaid, Some(AttemptKind::Original | AttemptKind::Bump)) => {
+            return Err(refuse(format!(
+                "its own payout {tx_hash} spent the reserved coins: resolve it --paid-by {tx_hash}"
+            )))
+        }
+        (Resolution::NotPaid, _) if w.settled() => {
+            return Err(refuse(format!(
+                "its hold was settled as paid before its block was reorged out, and {tx_hash}, not a payout of ours, \
+                 spent its coins since: the customer was not paid; book it with finance"
+            )))
+        }
+        // Its cancel spent the coins: not paid, with its share of the cancel's fee.
+        (Resolution::NotPaid, Some(AttemptKind::Cancel)) => {
+            let (tx_hash, block_hash) = evidence();
+            let fee = fee_share(client, spend, id, spender.get::<_, String>(4).parse().expect("BUG: a fee")).await?;
+            WithdrawalEvent::Resolved { paid: false, tx_hash, block_hash, fee, by: by.to_owned() }
+        }
+        (Resolution::NotPaid, None) => paid_nothing(by),
+    };
+    record_resolution(client, id, event, by, Some(spend)).await
+}
+
+/// Withdrawal `id`'s share of its spend's `fee` (satoshis), by weight as settlement splits it.
+async fn fee_share(client: &deadpool_postgres::Object, spend: i64, id: i64, fee: u64) -> Result<Amount, ActionError> {
+    let payouts = client
+        .query(
+            "select withdrawal_id, weight from btc_spend_payout where spend_id = $1 order by output_index",
+            &[&spend],
+        )
+        .await?;
+    let weights: Vec<u64> = payouts.iter().map(|r| u64::try_from(r.get::<_, i32>(1)).expect("BUG: weight")).collect();
+    let shares = crate::btc::fee_shares(fee, &weights);
+    let at =
+        payouts.iter().position(|r| r.get::<_, i64>(0) == id).expect("BUG: the withdrawal is a payout of its spend");
+    Ok(Amount::from_u64(shares[at]))
 }
 
 /// Resolved as not paid, naming no transaction and charging no fee: an ETH withdrawal never
@@ -510,6 +575,47 @@ pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id:
     match node.send_raw(&attempt.raw).await {
         Ok(_) => Ok(hash),
         Err(e) if e.is_already_known() => Ok(hash),
+        Err(e) => Err(ActionError::Node(e.to_string())),
+    }
+}
+
+/// [`rebroadcast`] for a BTC withdrawal in review: the stored bytes of its transaction that was
+/// mined (a payout reorged out deeper than the confirmation depth). Nothing is signed and nothing
+/// is written.
+pub async fn rebroadcast_btc(
+    client: &deadpool_postgres::Object,
+    node: &crate::btc::node::BtcNode,
+    id: i64,
+) -> Result<TxHash, ActionError> {
+    use crate::btc::node::Sent;
+    let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
+    if w.state() != WithdrawalState::NeedsReview {
+        return Err(ActionError::WrongState {
+            id,
+            state: w.state().as_str(),
+            message: "only a withdrawal in review is sent by hand (the worker keeps the others alive)",
+        });
+    }
+    let hash = w
+        .tx_hash()
+        .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
+    let raw: Vec<u8> = client
+        .query_opt(
+            "select a.raw_tx from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id
+              where p.withdrawal_id = $1 and a.tx_hash = $2",
+            &[&id, &hash.to_string()],
+        )
+        .await?
+        .ok_or_else(|| ActionError::Evidence {
+            id,
+            reason: format!("its transaction {hash} is not one of its attempts"),
+        })?
+        .get(0);
+    match node.send(&raw).await {
+        Ok(Sent::Accepted | Sent::AlreadyKnown) => Ok(hash),
+        Ok(Sent::Underpriced(why) | Sent::InputsMissing(why) | Sent::Refused(why)) => {
+            Err(ActionError::Node(format!("the node refused {hash}: {why}")))
+        }
         Err(e) => Err(ActionError::Node(e.to_string())),
     }
 }

@@ -97,7 +97,36 @@ pub struct BtcWorker {
     fee: std::sync::Mutex<Option<(u64, FeeRate)>>,
     /// Lanes failing transiently, backed off.
     lane_backoff: lanes::LaneBackoff,
+    /// Confirmed spends found without a canonical payout, and the tip they were first found at:
+    /// only a second finding at a later tip is an alert.
+    reorged: std::sync::Mutex<HashMap<i64, u64>>,
 }
+
+/// A lane's confirmed spends whose block is orphaned (within [`DEEP_REORG_WINDOW`] of the tip)
+/// and whose reserved coins no payout of theirs spends on the canonical chain: the spend, its
+/// withdrawals, the block and its height. ($1 lane, $2 the lowest height looked at.) From the
+/// orphaned blocks (`chain_block_orphaned_height`) to the withdrawals confirmed in them
+/// (`withdrawal_confirmed_block`, V16): never the lane's whole history.
+const REORGED_PAST_DEPTH: &str = "
+select p.spend_id, array_agg(w.id order by w.id), min(b.block_hash), min(b.height)
+   from chain_block b
+   join withdrawal w on w.mined_block_hash = b.block_hash and w.state = 'confirmed'
+   join btc_spend_payout p on p.withdrawal_id = w.id
+  where b.chain = 'btc' and b.orphaned_at is not null and b.height > $2
+    and w.chain = 'btc' and w.lane = $1
+    and not exists (
+        select from utxo_reservation r
+          join output_spend s on s.chain = 'btc' and s.tx_hash = r.tx_hash
+                             and s.output_index = r.output_index
+          join chain_block c on c.chain = 'btc' and c.block_hash = s.block_hash
+                            and c.orphaned_at is null
+          join btc_attempt a on a.tx_hash = s.spending_tx and a.spend_id = r.spend_id
+         where r.spend_id = p.spend_id and a.kind <> 'cancel')
+  group by p.spend_id order by p.spend_id";
+
+/// How far below the tip a confirmed payout's orphaned block is still looked at: the scanner's
+/// reorg window (its default `retention_blocks`); a fork deeper than that stops the scanner.
+const DEEP_REORG_WINDOW: u64 = 1024;
 
 /// A spend with open withdrawals: its id and its withdrawals, the first of which stands for all
 /// (every event of a spend is appended to each of its withdrawals alike).
@@ -433,6 +462,7 @@ impl BtcWorker {
             coins: std::sync::Mutex::default(),
             fee: std::sync::Mutex::default(),
             lane_backoff: lanes::LaneBackoff::default(),
+            reorged: std::sync::Mutex::default(),
         }
     }
 
@@ -508,6 +538,7 @@ impl BtcWorker {
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         self.settle(lane, tip, report).await?;
+        self.reorged_past_depth(lane, tip, report).await?;
         let paused = self
             .pool
             .get()
@@ -803,6 +834,62 @@ impl BtcWorker {
             .map(|id| Recording { id: *id, still: Box::new(still), event: event.clone() })
             .collect();
         Ok(worker::record_all(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64)
+    }
+
+    /// Confirmed payouts whose block a reorg deeper than the confirmation depth took away and
+    /// whose reserved coins no payout of their spend (the original or a bump) spends on the
+    /// canonical chain any more: not mined again, or a cancel or an outside transaction mined
+    /// instead. The ledger says paid and the chain does not: each of the spend's withdrawals goes
+    /// to `needs_review` with an alert, and the lane pauses (as ETH's `reorged_past_depth`). Only
+    /// a finding made again at a later tip counts, so a payout the new branch mines again is left
+    /// alone. The way out: `withdrawals rebroadcast` (the same bytes) and, once mined and buried,
+    /// `withdrawals resolve --paid-by`.
+    async fn reorged_past_depth(
+        &self,
+        lane: &Lane<BtcAddress>,
+        tip: u64,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let client = self.pool.get().await?;
+        let floor = i64::try_from(tip.saturating_sub(DEEP_REORG_WINDOW)).unwrap_or(i64::MAX);
+        let rows = client.query(REORGED_PAST_DEPTH, &[&lane.lane.as_str(), &floor]).await?;
+        let found: Vec<(OpenSpend, String, i64)> =
+            rows.iter().map(|r| (OpenSpend { id: r.get(0), withdrawals: r.get(1) }, r.get(2), r.get(3))).collect();
+        let again: Vec<&(OpenSpend, String, i64)> = {
+            let mut reorged = self.reorged.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // A spend no longer found is no longer suspect: a later finding starts afresh.
+            reorged.retain(|spend, _| found.iter().any(|(f, _, _)| f.id == *spend));
+            found
+                .iter()
+                .filter(|(spend, _, _)| match reorged.get(&spend.id) {
+                    Some(first) => *first < tip,
+                    None => {
+                        reorged.insert(spend.id, tip);
+                        false
+                    }
+                })
+                .collect()
+        };
+        for (spend, block, height) in again {
+            let reason = format!(
+                "confirmed in block {block} (height {height}), but no payout of its transaction spends its reserved \
+                 coins on the canonical chain at height {tip} (a reorg deeper than the confirmation depth of {})",
+                self.config.confirmations
+            );
+            metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.to_string()).increment(1);
+            tracing::error!(lane = %lane.lane, spend = spend.id, "ALERT: {reason}");
+            let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
+            let n = self.record_all(spend, |w| w.state() == WithdrawalState::Confirmed, &event).await?;
+            report.needs_review += n;
+            if n > 0
+                && sql::pause_lane_on(&client, "btc", lane.lane.as_str(), &format!("needs review: {reason}"), false)
+                    .await?
+            {
+                report.paused_lanes.push(lane.lane.to_string());
+            }
+            self.reorged.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&spend.id);
+        }
+        Ok(())
     }
 
     /// Settles by the reserved coins: the sibling that spent them in a canonical block paid
@@ -1239,6 +1326,30 @@ mod tests {
         let ids: Vec<i64> =
             client.query(&lock, &[&"b0", &50i64, &0i64]).await.unwrap().iter().map(|r| r.get::<_, i64>(4)).collect();
         assert_eq!(ids, (2151..=2200).collect::<Vec<i64>>(), "the 50 oldest requested, in order");
+    }
+
+    /// The deep-reorg check reads the withdrawals confirmed in orphaned blocks by V16's index, not
+    /// the lane's confirmed history, which only grows.
+    #[tokio::test]
+    async fn the_deep_reorg_check_finds_confirmed_payouts_by_their_block_not_by_the_lanes_history() {
+        let (db, key) = lane_b0(4).await;
+        let destination = key.change_address(7).to_string();
+        db.owner_client()
+            .await
+            .batch_execute(&format!(
+                "insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq,
+                                         mined_block_hash)
+                 select n, 'c' || n, 'btc', 'BTC', '{destination}', 10000, 'confirmed', 'b0', 5,
+                        lpad(to_hex(n), 64, '0')
+                   from generate_series(1, 20000) n;
+                 analyze withdrawal;"
+            ))
+            .await
+            .unwrap();
+        let plan = generic_plan(&db.client().await, REORGED_PAST_DEPTH, "'b0', 0").await;
+        assert!(plan.contains("withdrawal_confirmed_block"), "confirmed payouts not found by their block:\n{plan}");
+        assert!(!plan.contains("Seq Scan on withdrawal"), "the lane's history read whole:\n{plan}");
+        assert!(!plan.contains("withdrawal_state_lane"), "the lane's confirmed history walked:\n{plan}");
     }
 
     /// A lane's coins are read by its addresses (`deposit_event_address_covering`), so the coin
