@@ -37,6 +37,11 @@ pub const CATALOG: &[(&str, Kind, &str)] = &[
         "signed BTC transactions the node refused for a reason other than their fee, per lane (alert)",
     ),
     (
+        "custodian_btc_input_lost_total",
+        Kind::Counter,
+        "BTC spends whose input can never exist (its parent replaced on chain), per lane (alert)",
+    ),
+    (
         "custodian_btc_inputs_spent_total",
         Kind::Counter,
         "BTC broadcasts answered 'inputs missing or spent', per lane; settlement decides from the chain",

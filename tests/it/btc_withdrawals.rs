@@ -674,6 +674,88 @@ async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_un
     p.verify().await;
 }
 
+/// A spend of our own change whose parent a reorg replaced by the parent's bump can never be
+/// mined (the coin it spends was never created): it is `needs_review` with an alert and the lane
+/// pauses, and it resolves `--not-paid` once the bump is buried. Before, it stayed `broadcast`
+/// for good, its bytes refused each pass for missing inputs (a warning), its hold and coins held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolves_not_paid() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 2, bump_after_blocks: 2, ..BtcConfig::default() });
+    let raw = |kind: &'static str, id: i64| {
+        let db = &p.db;
+        async move {
+            let bytes: Vec<u8> = db
+                .client()
+                .await
+                .query_one(
+                    "select a.raw_tx from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id
+                      where p.withdrawal_id = $1 and a.kind = $2",
+                    &[&id, &kind],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            bitcoin::consensus::deserialize::<bitcoin::Transaction>(&bytes).unwrap()
+        }
+    };
+    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    p.sim.mine_empty(2);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().bumped, 1, "unmined for two blocks: bumped");
+    let (original, bump) = (raw("original", first).await, raw("bump", first).await);
+    // A miner that never saw the bump mines the original; the lane's next payout spends its change.
+    p.sim.mine(std::slice::from_ref(&original));
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(first).await.state(), WithdrawalState::Mined);
+    let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    let spent: String = p
+        .value(&format!(
+            "select r.tx_hash from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
+              where p.withdrawal_id = {second}"
+        ))
+        .await;
+    assert_eq!(spent, original.compute_txid().to_string(), "the second payout spends the first's change");
+
+    // The block with the original is replaced by one with its bump: the change never existed.
+    p.sim.reorg(1, &[vec![bump.clone()], vec![]]);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.needs_review, report.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{report:?}");
+    assert_eq!(p.load(second).await.state(), WithdrawalState::NeedsReview);
+    let paid_first = p.load(first).await;
+    assert_eq!(
+        (paid_first.state(), paid_first.tx_hash().map(|h| h.to_string())),
+        (WithdrawalState::Confirmed, Some(bump.compute_txid().to_string())),
+        "its bump paid the first"
+    );
+
+    let before: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
+    let resolve = |resolution: actions::Resolution| {
+        let pool = p.db.pool.clone();
+        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), second, &resolution, 1, "dana").await }
+    };
+    let paid = resolve(actions::Resolution::PaidBy(bump.compute_txid().to_string())).await.unwrap_err();
+    assert!(paid.to_string().contains("can never be mined"), "{paid}");
+    let resolved = resolve(actions::Resolution::NotPaid).await.unwrap();
+    assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Cancelled, false));
+    let after: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
+    assert_eq!(after, before + 100_000, "the hold came back");
+    assert_eq!(
+        p.value(&format!(
+            "select count(*)::text from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
+              where p.withdrawal_id = {second} and r.released_at is null"
+        ))
+        .await,
+        "0",
+        "its reservation released"
+    );
+    p.verify().await;
+}
+
 /// The withdrawals one transaction pays move together: a pass stopped while it records a spend's
 /// `unmined` (here cancelled while another transaction holds one of the two rows, as a crash
 /// would stop it) leaves both as they were, and the next pass moves both. Before, each was

@@ -356,6 +356,27 @@ pub async fn resolve_btc(
             &[&spend],
         )
         .await?;
+    // A coin its transaction spends that can never exist (its parent replaced on the canonical
+    // chain): nothing of this transaction can be mined, so it paid nothing.
+    if let Some(lost) = client.query_opt(crate::btc::VANISHED_INPUTS, &[&vec![spend]]).await? {
+        let (coin, index, replaced_by): (String, i32, String) = (lost.get(1), lost.get(2), lost.get(3));
+        let depth = u64::try_from(lost.get::<_, i64>(5)).unwrap_or(0);
+        return match resolution {
+            Resolution::PaidBy(hash) => Err(refuse(format!(
+                "its transaction can never be mined, so {hash} did not pay it: coin {coin}:{index} it spends was \
+                 never created ({replaced_by} took its parent's place)"
+            ))),
+            Resolution::NotPaid if depth < confirmations => Err(refuse(format!(
+                "{replaced_by}, which took the place of the transaction creating coin {coin}:{index}, has {depth} \
+                 confirmations, fewer than {confirmations}: a reorg could still bring the coin back"
+            ))),
+            Resolution::NotPaid if w.settled() => Err(refuse(format!(
+                "its hold was settled as paid before its block was reorged out, and its transaction can never be \
+                 mined again (coin {coin}:{index} was never created): the customer was not paid; book it with finance"
+            ))),
+            Resolution::NotPaid => record_resolution(client, id, paid_nothing(by), by, Some(spend)).await,
+        };
+    }
     let Some(spender) = spent.iter().find(|r| r.get::<_, Option<&str>>(3).is_some()).or(spent.first()) else {
         return Err(refuse(
             "no reserved coin of its transaction is spent on the canonical chain: nothing stops it from being \

@@ -124,6 +124,23 @@ select p.spend_id, array_agg(w.id order by w.id), min(b.block_hash), min(b.heigh
          where r.spend_id = p.spend_id and a.kind <> 'cancel')
   group by p.spend_id order by p.spend_id";
 
+/// Spends (of `$1`) one of whose reserved coins can never exist: it is change of one of our
+/// transactions, and a sibling of that transaction (or a transaction none of ours) spent the same
+/// coins on the canonical chain instead, so the output was never created (a reorg after which a
+/// bump, not the original, was mined). Per spend, the first such coin, the transaction that took
+/// its parent's place, its block and depth.
+pub(crate) const VANISHED_INPUTS: &str = "
+select distinct on (r.spend_id) r.spend_id, r.tx_hash, r.output_index, s.spending_tx, b.block_hash,
+       t.height - b.height + 1
+  from utxo_reservation r
+  join btc_attempt parent on parent.tx_hash = r.tx_hash
+  join utxo_reservation pr on pr.spend_id = parent.spend_id
+  join output_spend s on s.chain = 'btc' and s.tx_hash = pr.tx_hash and s.output_index = pr.output_index
+  join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+  join chain_tip t on t.chain = 'btc'
+ where r.spend_id = any($1) and s.spending_tx <> parent.tx_hash
+ order by r.spend_id, b.height";
+
 /// How far below the tip a confirmed payout's orphaned block is still looked at: the scanner's
 /// reorg window (its default `retention_blocks`); a fork deeper than that stops the scanner.
 const DEEP_REORG_WINDOW: u64 = 1024;
@@ -924,8 +941,32 @@ impl BtcWorker {
                 &[&ids],
             )
             .await?;
+        let vanished = client.query(VANISHED_INPUTS, &[&ids]).await?;
         for spend in &open {
             let mine: Vec<_> = rows.iter().filter(|r| r.get::<_, i64>(0) == spend.id).collect();
+            if let Some(lost) = vanished.iter().find(|r| r.get::<_, i64>(0) == spend.id) {
+                let reason = format!(
+                    "coin {}:{} this withdrawal's transaction spends can never exist: the transaction that would \
+                     create it was replaced by {}, mined in block {}; nothing of this transaction can be mined",
+                    lost.get::<_, String>(1),
+                    lost.get::<_, i32>(2),
+                    lost.get::<_, String>(3),
+                    lost.get::<_, String>(4),
+                );
+                tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a spend lost its input");
+                metrics::counter!("custodian_btc_input_lost_total", "lane" => lane.lane.to_string()).increment(1);
+                let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
+                let still = |w: &Withdrawal| w.state() != WithdrawalState::NeedsReview && w.holds_funds();
+                let n = self.record_all(spend, still, &event).await?;
+                report.needs_review += n;
+                if n > 0
+                    && sql::pause_lane_on(&client, "btc", lane.lane.as_str(), &format!("needs review: {reason}"), false)
+                        .await?
+                {
+                    report.paused_lanes.push(lane.lane.to_string());
+                }
+                continue;
+            }
             if let Some(outside) = mine.iter().find(|r| r.get::<_, Option<String>>(6).is_none()) {
                 let reason = format!(
                     "coin {}:{} reserved for this withdrawal's transaction was spent by {}, none of ours, in block {}",
