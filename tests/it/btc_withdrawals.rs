@@ -248,6 +248,25 @@ impl Payouts {
 
     /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
     /// one of `ids` is in a final state; at most `rounds`.
+    /// A transaction spending the one reserved coin (of 1,000,000 sats, lane b0's funding
+    /// address) elsewhere, signed with the lane's key: the key used outside the service.
+    async fn theft_of_the_reserved_coin(&self) -> Transaction {
+        let row =
+            self.db.client().await.query_one("select tx_hash, output_index from utxo_reservation", &[]).await.unwrap();
+        let outpoint = OutPoint { txid: row.get::<_, String>(0).parse().unwrap(), vout: row.get::<_, i32>(1) as u32 };
+        let mut theft = custodian_withdrawals::btc::tx::unsigned(
+            &[&custodian_withdrawals::btc::tx::Coin {
+                outpoint,
+                amount: 1_000_000,
+                path: custodian_withdrawals::btc_key::KeyPath::Funding,
+            }],
+            vec![custodian_withdrawals::btc::tx::pay(self.sim.address(AddrKind::P2wpkh, 66).script_pubkey(), 990_000)],
+        );
+        self.keys["b0"]
+            .sign(&mut theft, &[(custodian_withdrawals::btc_key::KeyPath::Funding, Sats::from_sat(1_000_000))]);
+        theft
+    }
+
     pub(crate) async fn settle(&self, workers: &[&BtcWorker], ids: &[i64], rounds: usize) {
         for _ in 0..rounds {
             futures::future::join_all(workers.iter().map(|w| w.pass())).await.into_iter().for_each(|r| {
@@ -804,21 +823,7 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     let w = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal;
     p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
     // Someone with the key spends the reserved coin elsewhere first.
-    let coin: (String, i32) = {
-        let row =
-            p.db.client().await.query_one("select tx_hash, output_index from utxo_reservation", &[]).await.unwrap();
-        (row.get(0), row.get(1))
-    };
-    let outpoint = OutPoint { txid: coin.0.parse().unwrap(), vout: coin.1 as u32 };
-    let mut theft = custodian_withdrawals::btc::tx::unsigned(
-        &[&custodian_withdrawals::btc::tx::Coin {
-            outpoint,
-            amount: 1_000_000,
-            path: custodian_withdrawals::btc_key::KeyPath::Funding,
-        }],
-        vec![custodian_withdrawals::btc::tx::pay(p.sim.address(AddrKind::P2wpkh, 66).script_pubkey(), 990_000)],
-    );
-    p.keys["b0"].sign(&mut theft, &[(custodian_withdrawals::btc_key::KeyPath::Funding, Sats::from_sat(1_000_000))]);
+    let theft = p.theft_of_the_reserved_coin().await;
     let theft_txid = theft.compute_txid();
     p.sim.mine(&[theft]);
     p.scan().await;
@@ -879,6 +884,46 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
 /// A pass works its lanes at once, as the Ethereum worker's does: a lane held up (here its row
 /// locked by another transaction, as a slow allocation or a stuck statement would hold it) holds up
 /// no other lane's payouts.
+/// A withdrawal in review for an outside spend that a reorg then took away, with nothing else
+/// spending its coin, has a way out: its own bytes sent again (`rebroadcast_btc`), then, once
+/// mined and buried, resolved paid by them. Before, --not-paid said "rebroadcast it instead",
+/// which BTC could not do, and --paid-by of its own transaction was refused ("the worker settles
+/// it", which it never does for a withdrawal in review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outside_spend_reorged_away_leaves_a_way_out_through_our_own_bytes() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 1, ..BtcConfig::default() });
+    let id = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+    p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    let theft = p.theft_of_the_reserved_coin().await;
+    let theft_txid = theft.compute_txid();
+    p.sim.mine(&[theft]);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().needs_review, 1);
+    // The block with the outside spend is replaced; the spend leaves the node's mempool too.
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.sim.evict(theft_txid);
+    p.scan().await;
+    let resolve = |resolution: actions::Resolution| {
+        let pool = p.db.pool.clone();
+        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), id, &resolution, 1, "dana").await }
+    };
+    let early = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    assert!(early.to_string().contains("withdrawals rebroadcast"), "{early}");
+    let ours = actions::rebroadcast_btc(&p.db.pool.get().await.unwrap(), worker.node(), id).await.unwrap();
+    p.sim.mine_mempool();
+    p.scan().await;
+    let not_paid = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    assert!(not_paid.to_string().contains(&format!("resolve it --paid-by {ours}")), "{not_paid}");
+    let before: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
+    let resolved = resolve(actions::Resolution::PaidBy(ours.to_string())).await.unwrap();
+    assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Confirmed, true));
+    assert!(resolved.fee.units() > alloy_primitives::U256::ZERO, "its fee charged");
+    let after: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
+    assert_eq!(after, before, "paid from its hold");
+    p.verify().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_btc_lane_held_up_holds_up_no_other_lane() {
     let p = Arc::new(Payouts::new(2, 4, 1_000_000, 50_000_000).await);
