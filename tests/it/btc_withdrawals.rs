@@ -248,6 +248,14 @@ impl Payouts {
 
     /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
     /// one of `ids` is in a final state; at most `rounds`.
+    /// A worker whose sessions give up on a row lock after 300 ms.
+    async fn worker_giving_up_on_locks(&self, config: BtcConfig) -> BtcWorker {
+        let url: custodian_store::DatabaseUrl =
+            format!("{}?options=-c%20lock_timeout%3D300", self.db.url.expose()).parse().unwrap();
+        let pool = custodian_store::pool::connect(&url, 4).await.unwrap();
+        BtcWorker::new(pool, self.worker(config.clone()).node().clone(), self.keys.clone(), quick(config))
+    }
+
     /// A transaction spending the one reserved coin (of 1,000,000 sats, lane b0's funding
     /// address) elsewhere, signed with the lane's key: the key used outside the service.
     async fn theft_of_the_reserved_coin(&self) -> Transaction {
@@ -687,7 +695,8 @@ async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_un
     p.scan().await;
     let not_paid = resolve(actions::Resolution::NotPaid).await.unwrap_err();
     assert!(not_paid.to_string().contains(&format!("resolve it --paid-by {txid}")), "{not_paid}");
-    let resolved = resolve(actions::Resolution::PaidBy(txid.clone())).await.unwrap();
+    // A txid pasted in capitals is the same transaction.
+    let resolved = resolve(actions::Resolution::PaidBy(txid.to_uppercase())).await.unwrap();
     assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Confirmed, true));
     assert_eq!(crate::ledger_support::available(&p.db, p.alice).await, settled, "settled once, not twice");
     p.verify().await;
@@ -800,6 +809,16 @@ async fn a_pass_stopped_while_recording_a_spend_leaves_its_withdrawals_together(
     let mut holder = p.db.client().await;
     let held = holder.transaction().await.unwrap();
     held.execute("select 1 from withdrawal where id = $1 for update", &[&second]).await.unwrap();
+    // A worker that gives up on the lock fails the spend's recording: none of it is written (not
+    // the first alone, then the second failing again, as recording one by one would).
+    let config = BtcConfig { confirmations: 3, bump_after_blocks: 100, ..BtcConfig::default() };
+    let failed = p.worker_giving_up_on_locks(config).await.pass().await.unwrap();
+    assert_eq!(failed.lane_errors.len(), 1, "{failed:?}");
+    assert_eq!(
+        (state(first).await, state(second).await),
+        (WithdrawalState::Mined, WithdrawalState::Mined),
+        "a failed recording writes none of a spend's"
+    );
     let stopped = tokio::time::timeout(std::time::Duration::from_secs(2), worker.pass()).await;
     assert!(stopped.is_err(), "the pass waits for the held row");
     assert_eq!(
@@ -881,9 +900,6 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     assert_eq!(reconciled.code, 3, "the stolen coin is still custody in the ledger: {}", reconciled.stdout);
 }
 
-/// A pass works its lanes at once, as the Ethereum worker's does: a lane held up (here its row
-/// locked by another transaction, as a slow allocation or a stuck statement would hold it) holds up
-/// no other lane's payouts.
 /// A withdrawal in review for an outside spend that a reorg then took away, with nothing else
 /// spending its coin, has a way out: its own bytes sent again (`rebroadcast_btc`), then, once
 /// mined and buried, resolved paid by them. Before, --not-paid said "rebroadcast it instead",
@@ -924,6 +940,9 @@ async fn an_outside_spend_reorged_away_leaves_a_way_out_through_our_own_bytes() 
     p.verify().await;
 }
 
+/// A pass works its lanes at once, as the Ethereum worker's does: a lane held up (here its row
+/// locked by another transaction, as a slow allocation or a stuck statement would hold it) holds up
+/// no other lane's payouts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_btc_lane_held_up_holds_up_no_other_lane() {
     let p = Arc::new(Payouts::new(2, 4, 1_000_000, 50_000_000).await);
@@ -973,16 +992,7 @@ async fn a_btc_lane_held_up_holds_up_no_other_lane() {
 async fn a_failing_btc_lane_is_backed_off_while_the_other_lane_goes_on() {
     let p = Payouts::new(2, 4, 1_000_000, 50_000_000).await;
     let (failing, mut going) = p.two_on_each_lane().await;
-    // The worker's sessions give up on a row lock after 300 ms.
-    let url: custodian_store::DatabaseUrl =
-        format!("{}?options=-c%20lock_timeout%3D300", p.db.url.expose()).parse().unwrap();
-    let pool = custodian_store::pool::connect(&url, 4).await.unwrap();
-    let worker = BtcWorker::new(
-        pool,
-        p.worker(BtcConfig::default()).node().clone(),
-        p.keys.clone(),
-        quick(BtcConfig::default()),
-    );
+    let worker = p.worker_giving_up_on_locks(BtcConfig::default()).await;
     let state = |id: i64| {
         let p = &p;
         async move { p.load(id).await.state() }

@@ -332,6 +332,11 @@ pub async fn resolve_btc(
 ) -> Result<Resolved, ActionError> {
     let (w, by) = under_review(client, id, by).await?;
     let refuse = |reason: String| ActionError::Evidence { id, reason };
+    // A txid as stored: lowercase hex.
+    let resolution = &match resolution {
+        Resolution::PaidBy(hash) => Resolution::PaidBy(hash.trim().to_ascii_lowercase()),
+        Resolution::NotPaid => Resolution::NotPaid,
+    };
     let spend: Option<i64> = client
         .query_opt("select spend_id from btc_spend_payout where withdrawal_id = $1", &[&id])
         .await?

@@ -836,9 +836,9 @@ impl BtcWorker {
     }
 
     /// Appends `event` to every withdrawal of `spend` that still passes `still`, in one
-    /// transaction ([`worker::record_all`]): the withdrawals one transaction pays move together, so
-    /// a pass stopped midway never leaves some of them behind (reading the first of a spend
-    /// stands for all of it). How many took it.
+    /// transaction ([`worker::record_together`]): the withdrawals one transaction pays move
+    /// together, so a pass that fails or stops midway never leaves some of them behind (reading
+    /// the first of a spend stands for all of it). How many took it.
     async fn record_all(
         &self,
         spend: &OpenSpend,
@@ -850,7 +850,7 @@ impl BtcWorker {
             .iter()
             .map(|id| Recording { id: *id, still: Box::new(still), event: event.clone() })
             .collect();
-        Ok(worker::record_all(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64)
+        Ok(worker::record_together(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64)
     }
 
     /// Confirmed payouts whose block a reorg deeper than the confirmation depth took away and
@@ -872,16 +872,20 @@ impl BtcWorker {
         let rows = client.query(REORGED_PAST_DEPTH, &[&lane.lane.as_str(), &floor]).await?;
         let found: Vec<(OpenSpend, String, i64)> =
             rows.iter().map(|r| (OpenSpend { id: r.get(0), withdrawals: r.get(1) }, r.get(2), r.get(3))).collect();
+        // A first finding counts from the block above the one it was mined in at the least: the
+        // scanner orphans a branch before it reads the new one, and a pass in between sees the
+        // tip at the fork; the new branch gets a block beyond the old height to mine it again.
+        let first_at = |height: i64| tip.max(u64::try_from(height).unwrap_or(0) + 1);
         let again: Vec<&(OpenSpend, String, i64)> = {
             let mut reorged = self.reorged.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // A spend no longer found is no longer suspect: a later finding starts afresh.
             reorged.retain(|spend, _| found.iter().any(|(f, _, _)| f.id == *spend));
             found
                 .iter()
-                .filter(|(spend, _, _)| match reorged.get(&spend.id) {
+                .filter(|(spend, _, height)| match reorged.get(&spend.id) {
                     Some(first) => *first < tip,
                     None => {
-                        reorged.insert(spend.id, tip);
+                        reorged.insert(spend.id, first_at(*height));
                         false
                     }
                 })
@@ -1057,7 +1061,7 @@ impl BtcWorker {
                 })
                 .collect();
             report.confirmed +=
-                worker::record_all(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64;
+                worker::record_together(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64;
         }
         Ok(())
     }

@@ -279,28 +279,10 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
     let mut order: Vec<(usize, Recording)> = items.into_iter().enumerate().collect();
     order.sort_by_key(|(_, item)| item.id);
     for chunk in order.chunks(RECORD_BATCH) {
-        let mut client = pool.get().await?;
-        let attempt: Result<Vec<(usize, &'static str)>, WorkError> = async {
-            let transaction = client.transaction().await?;
-            // The rows locked first, in id order, by one statement; then each withdrawal's
-            // statements run in order while different withdrawals' are pipelined on the one
-            // connection (their rows, streams and transfers are disjoint).
-            let ids: Vec<i64> = chunk.iter().map(|(_, item)| item.id).collect();
-            transaction.execute("select 1 from withdrawal where id = any($1) order by id for update", &[&ids]).await?;
-            let tx = &transaction;
-            let pending: Vec<_> = chunk.iter().map(|(index, item)| record_one(tx, *index, item)).collect();
-            let done: Vec<Option<(usize, &'static str)>> =
-                futures::stream::iter(pending).buffer_unordered(RECORD_PIPELINE).try_collect().await?;
-            transaction.commit().await?;
-            Ok(done.into_iter().flatten().collect())
-        }
-        .await;
-        drop(client);
-        match attempt {
+        match record_in_one_transaction(pool, chunk).await {
             Ok(done) => {
-                for (index, state) in done {
-                    recorded[index] = true;
-                    metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
+                for ((index, _), took) in chunk.iter().zip(done) {
+                    recorded[*index] = took;
                 }
             }
             Err(e) => {
@@ -310,6 +292,45 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
                 }
             }
         }
+    }
+    Ok(recorded)
+}
+
+/// [`record`] for the withdrawals one transaction pays (a BTC spend's): all of them in one
+/// database transaction, or, if it fails, none (never one by one, which a failure or a stop
+/// midway would leave split). Returns, in the order given, whether each was recorded.
+///
+/// # Cancel safety
+/// One transaction; cancelled, it writes nothing.
+pub(crate) async fn record_together(pool: &Pool, items: Vec<Recording>) -> Result<Vec<bool>, WorkError> {
+    let mut order: Vec<(usize, Recording)> = items.into_iter().enumerate().collect();
+    order.sort_by_key(|(_, item)| item.id);
+    let done = record_in_one_transaction(pool, &order).await?;
+    let mut recorded = vec![false; order.len()];
+    for ((index, _), took) in order.iter().zip(done) {
+        recorded[*index] = took;
+    }
+    Ok(recorded)
+}
+
+/// `items` (sorted by id) recorded in one transaction: their rows locked first, in id order, by
+/// one statement; then each withdrawal's statements in order, different withdrawals' pipelined on
+/// the one connection (their rows, streams and transfers are disjoint). Whether each was
+/// recorded, in the order given.
+async fn record_in_one_transaction(pool: &Pool, items: &[(usize, Recording)]) -> Result<Vec<bool>, WorkError> {
+    let mut client = pool.get().await?;
+    let transaction = client.transaction().await?;
+    let ids: Vec<i64> = items.iter().map(|(_, item)| item.id).collect();
+    transaction.execute("select 1 from withdrawal where id = any($1) order by id for update", &[&ids]).await?;
+    let tx = &transaction;
+    let pending: Vec<_> = items.iter().enumerate().map(|(at, (_, item))| record_one(tx, at, item)).collect();
+    let done: Vec<Option<(usize, &'static str)>> =
+        futures::stream::iter(pending).buffer_unordered(RECORD_PIPELINE).try_collect().await?;
+    transaction.commit().await?;
+    let mut recorded = vec![false; items.len()];
+    for (at, state) in done.into_iter().flatten() {
+        recorded[at] = true;
+        metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
     }
     Ok(recorded)
 }
