@@ -248,6 +248,23 @@ impl Payouts {
 
     /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
     /// one of `ids` is in a final state; at most `rounds`.
+    /// The transaction of withdrawal `id`'s attempt of `kind` (`original`, `bump`, `cancel`).
+    async fn attempt_of(&self, id: i64, kind: &str) -> Transaction {
+        let bytes: Vec<u8> = self
+            .db
+            .client()
+            .await
+            .query_one(
+                "select a.raw_tx from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id
+                  where p.withdrawal_id = $1 and a.kind = $2",
+                &[&id, &kind],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        bitcoin::consensus::deserialize(&bytes).unwrap()
+    }
+
     /// A worker whose sessions give up on a row lock after 300 ms.
     async fn worker_giving_up_on_locks(&self, config: BtcConfig) -> BtcWorker {
         let url: custodian_store::DatabaseUrl =
@@ -710,29 +727,12 @@ async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_un
 async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolves_not_paid() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 2, bump_after_blocks: 2, ..BtcConfig::default() });
-    let raw = |kind: &'static str, id: i64| {
-        let db = &p.db;
-        async move {
-            let bytes: Vec<u8> = db
-                .client()
-                .await
-                .query_one(
-                    "select a.raw_tx from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id
-                      where p.withdrawal_id = $1 and a.kind = $2",
-                    &[&id, &kind],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            bitcoin::consensus::deserialize::<bitcoin::Transaction>(&bytes).unwrap()
-        }
-    };
     let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
     worker.pass().await.unwrap();
     p.sim.mine_empty(2);
     p.scan().await;
     assert_eq!(worker.pass().await.unwrap().bumped, 1, "unmined for two blocks: bumped");
-    let (original, bump) = (raw("original", first).await, raw("bump", first).await);
+    let (original, bump) = (p.attempt_of(first, "original").await, p.attempt_of(first, "bump").await);
     // A miner that never saw the bump mines the original; the lane's next payout spends its change.
     p.sim.mine(std::slice::from_ref(&original));
     p.scan().await;
@@ -781,6 +781,57 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
         "0",
         "its reservation released"
     );
+    p.verify().await;
+}
+
+/// Two generations: a payout spending the change of a payout that spent the change of a replaced
+/// transaction can never be mined either; both are `needs_review` and resolve `--not-paid`.
+/// Before, only the first generation was found and the second stayed `broadcast`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spend_two_generations_from_a_replaced_parent_is_needs_review_too() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
+    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    p.sim.mine_empty(2);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().bumped, 1);
+    let (original, bump) = (p.attempt_of(first, "original").await, p.attempt_of(first, "bump").await);
+    p.sim.mine(std::slice::from_ref(&original));
+    p.scan().await;
+    worker.pass().await.unwrap();
+    // The second spends the original's change and is mined; the third spends the second's change.
+    let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    p.sim.mine_mempool();
+    p.scan().await;
+    worker.pass().await.unwrap();
+    let third = p.request("w3", &p.sim.address(AddrKind::P2wpkh, 4), 50_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    let spent: String = p
+        .value(&format!(
+            "select r.tx_hash from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
+              where p.withdrawal_id = {third}"
+        ))
+        .await;
+    assert_eq!(spent, p.load(second).await.tx_hash().unwrap().to_string(), "the third spends the second's change");
+
+    p.sim.reorg(2, &[vec![bump.clone()], vec![], vec![]]);
+    let z: Txid = p.load(third).await.tx_hash().unwrap().to_string().parse().unwrap();
+    assert!(!p.sim.mempool().contains(&z), "the node dropped the third: its parent's input is gone for good");
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.needs_review, 2, "{report:?}");
+    assert_eq!(p.load(third).await.state(), WithdrawalState::NeedsReview);
+    for id in [second, third] {
+        let resolved =
+            actions::resolve_btc(&mut p.db.pool.get().await.unwrap(), id, &actions::Resolution::NotPaid, 1, "dana")
+                .await
+                .unwrap();
+        assert_eq!(resolved.withdrawal.state(), WithdrawalState::Cancelled);
+    }
+    p.settle(&[&worker], &[first], 6).await;
+    assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(bump.compute_txid().to_string()));
     p.verify().await;
 }
 

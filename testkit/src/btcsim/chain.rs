@@ -134,6 +134,28 @@ impl Chain {
         }
     }
 
+    /// Drops waiting transactions that spend an output neither unspent on the active chain nor
+    /// made by another waiting transaction, as Core's `removeForReorg` does after a reorg took
+    /// their parent away for good (a sibling of it mined instead): they could never be mined.
+    fn drop_orphans(&mut self) {
+        loop {
+            let utxos = self.utxos();
+            let waiting = self.mempool.in_order();
+            let made: HashSet<Txid> = waiting.iter().map(Transaction::compute_txid).collect();
+            let orphan = waiting.iter().find(|tx| {
+                tx.input
+                    .iter()
+                    .any(|i| !utxos.contains_key(&i.previous_output) && !made.contains(&i.previous_output.txid))
+            });
+            match orphan {
+                Some(tx) => {
+                    self.mempool.remove(&tx.compute_txid());
+                }
+                None => return,
+            }
+        }
+    }
+
     pub(super) fn tip(&self) -> &Entry {
         let hash = self.active.last().expect("BUG: the active chain always holds genesis");
         &self.entries[hash]
@@ -212,6 +234,7 @@ impl Chain {
             self.mempool.remove_for_block(txs);
         }
         self.resurrect(abandoned_txs);
+        self.drop_orphans();
         mined
     }
 
@@ -249,6 +272,7 @@ impl Chain {
                 self.mempool.remove_for_block(txs);
             }
             self.resurrect(abandoned_txs);
+            self.drop_orphans();
         }
         mined
     }

@@ -125,21 +125,41 @@ select p.spend_id, array_agg(w.id order by w.id), min(b.block_hash), min(b.heigh
   group by p.spend_id order by p.spend_id";
 
 /// Spends (of `$1`) one of whose reserved coins can never exist: it is change of one of our
-/// transactions, and a sibling of that transaction (or a transaction none of ours) spent the same
-/// coins on the canonical chain instead, so the output was never created (a reorg after which a
-/// bump, not the original, was mined). Per spend, the first such coin, the transaction that took
-/// its parent's place, its block and depth.
+/// transactions, and that transaction, or an unmined one whose change it spends in turn (any
+/// number of generations up, stopping at a transaction mined canonically), had its coins spent on
+/// the canonical chain by another transaction (a sibling, or one none of ours), so its outputs
+/// were never created (a reorg after which a bump, not the original, was mined). Per spend, the
+/// first such coin, the transaction that took its ancestor's place, its block and depth.
 pub(crate) const VANISHED_INPUTS: &str = "
-select distinct on (r.spend_id) r.spend_id, r.tx_hash, r.output_index, s.spending_tx, b.block_hash,
+with recursive ancestry (spend_id, coin_tx, coin_index, parent_tx, parent_spend, hops) as (
+    select r.spend_id, r.tx_hash, r.output_index, parent.tx_hash, parent.spend_id, 1
+      from utxo_reservation r
+      join btc_attempt parent on parent.tx_hash = r.tx_hash
+     where r.spend_id = any($1)
+  union all
+    -- Up through a parent not mined canonically (none of its coins spent canonically): its own
+    -- change inputs may be what vanished.
+    select a.spend_id, a.coin_tx, a.coin_index, grand.tx_hash, grand.spend_id, a.hops + 1
+      from ancestry a
+      join utxo_reservation r on r.spend_id = a.parent_spend
+      join btc_attempt grand on grand.tx_hash = r.tx_hash
+     where a.hops < 16
+       and not exists (select from utxo_reservation pr
+                         join output_spend s on s.chain = 'btc' and s.tx_hash = pr.tx_hash
+                                            and s.output_index = pr.output_index
+                         join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash
+                                           and b.orphaned_at is null
+                        where pr.spend_id = a.parent_spend)
+)
+select distinct on (a.spend_id) a.spend_id, a.coin_tx, a.coin_index, s.spending_tx, b.block_hash,
        t.height - b.height + 1
-  from utxo_reservation r
-  join btc_attempt parent on parent.tx_hash = r.tx_hash
-  join utxo_reservation pr on pr.spend_id = parent.spend_id
+  from ancestry a
+  join utxo_reservation pr on pr.spend_id = a.parent_spend
   join output_spend s on s.chain = 'btc' and s.tx_hash = pr.tx_hash and s.output_index = pr.output_index
   join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
   join chain_tip t on t.chain = 'btc'
- where r.spend_id = any($1) and s.spending_tx <> parent.tx_hash
- order by r.spend_id, b.height";
+ where s.spending_tx <> a.parent_tx
+ order by a.spend_id, a.hops, b.height";
 
 /// How far below the tip a confirmed payout's orphaned block is still looked at: the scanner's
 /// reorg window (its default `retention_blocks`); a fork deeper than that stops the scanner.
