@@ -233,11 +233,8 @@ pub async fn rebroadcast(settings: &Settings, id: i64) -> Result<Exit> {
     super::principal(settings, &client, Scope::Admin, "withdrawals rebroadcast").await?;
     let btc = client.query_opt("select 1 from withdrawal where id = $1 and chain = 'btc'", &[&id]).await?.is_some();
     let hash = if btc {
-        let url = settings.btc_rpc.as_deref().ok_or_else(|| {
-            invalid(format!("withdrawal {id} is a BTC one: set --btc-rpc or CUSTODIAN_BTC_RPC_URL to send it again"))
-        })?;
-        let rpc = BtcRpc::new(url, settings.btc_auth.clone()).map_err(|e| invalid(e.to_string()))?;
-        actions::rebroadcast_btc(&client, &BtcNode::new(rpc), id).await.map_err(action_error)?
+        let node = btc_node(settings, &format!("withdrawal {id} is a BTC one"))?;
+        actions::rebroadcast_btc(&client, &node, id).await.map_err(action_error)?
     } else {
         actions::rebroadcast(&client, &node(settings)?, id).await.map_err(action_error)?
     };
@@ -553,6 +550,13 @@ pub fn signers(
     Ok(signers)
 }
 
+/// The configured Bitcoin node; without one, a usage error saying `why` it is needed.
+fn btc_node(settings: &Settings, why: &str) -> Result<BtcNode> {
+    let url =
+        settings.btc_rpc.as_deref().ok_or_else(|| invalid(format!("{why}: set --btc-rpc or CUSTODIAN_BTC_RPC_URL")))?;
+    Ok(BtcNode::new(BtcRpc::new(url, settings.btc_auth.clone()).map_err(|e| invalid(e.to_string()))?))
+}
+
 /// The BTC worker, if any BTC lane has a key: `CUSTODIAN_BTC_HOT_KEY_FILE_<LANE>`, then
 /// `[btc.hot_key_files]`; priced and batched by `[btc]`. Needs the Bitcoin node.
 pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Result<Option<BtcWorker>> {
@@ -562,10 +566,7 @@ pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Re
     if keys.is_empty() {
         return Ok(None);
     }
-    let url = settings.btc_rpc.as_deref().ok_or_else(|| {
-        invalid("BTC hot keys are configured but no Bitcoin node: set --btc-rpc or CUSTODIAN_BTC_RPC_URL")
-    })?;
-    let rpc = BtcRpc::new(url, settings.btc_auth.clone()).map_err(|e| invalid(e.to_string()))?;
+    let node = btc_node(settings, "BTC hot keys are configured but no Bitcoin node")?;
     let defaults = BtcConfig::default();
     let config = BtcConfig {
         network: settings.btc_network,
@@ -579,7 +580,7 @@ pub async fn btc_worker(settings: &Settings, pool: &custodian_store::Pool) -> Re
         bump_after_blocks: file.bump_after_blocks.unwrap_or(defaults.bump_after_blocks),
         ..defaults
     };
-    Ok(Some(BtcWorker::new(pool.clone(), BtcNode::new(rpc), keys, config)))
+    Ok(Some(BtcWorker::new(pool.clone(), node, keys, config)))
 }
 
 pub async fn work(

@@ -248,6 +248,40 @@ impl Payouts {
 
     /// Passes of `workers` (together), mining what the mempool holds and scanning, until every
     /// one of `ids` is in a final state; at most `rounds`.
+    /// Resolves withdrawal `id` in review on dana's authority, evidence buried one block deep.
+    async fn resolve(
+        &self,
+        id: i64,
+        resolution: actions::Resolution,
+    ) -> Result<actions::Resolved, actions::ActionError> {
+        actions::resolve_btc(&mut self.db.pool.get().await.unwrap(), id, &resolution, 1, "dana").await
+    }
+
+    /// A first payout (200,000 sats) that `worker` signs, bumps after two empty blocks, and sees
+    /// mined in its original form by a miner that never saw the bump: its id, original and bump.
+    async fn original_mined_over_its_bump(&self, worker: &BtcWorker) -> (i64, Transaction, Transaction) {
+        let first =
+            self.request("w1", &self.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+        worker.pass().await.unwrap();
+        self.sim.mine_empty(2);
+        self.scan().await;
+        assert_eq!(worker.pass().await.unwrap().bumped, 1, "unmined for two blocks: bumped");
+        let (original, bump) = (self.attempt_of(first, "original").await, self.attempt_of(first, "bump").await);
+        self.sim.mine(std::slice::from_ref(&original));
+        self.scan().await;
+        worker.pass().await.unwrap();
+        (first, original, bump)
+    }
+
+    /// The coin withdrawal `id`'s transaction reserved (its txid): one coin.
+    async fn reserved_by(&self, id: i64) -> String {
+        self.value(&format!(
+            "select r.tx_hash from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
+              where p.withdrawal_id = {id}"
+        ))
+        .await
+    }
+
     /// The transaction of withdrawal `id`'s attempt of `kind` (`original`, `bump`, `cancel`).
     async fn attempt_of(&self, id: i64, kind: &str) -> Transaction {
         let bytes: Vec<u8> = self
@@ -699,21 +733,17 @@ async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_un
     );
 
     // Nothing spent its coins: not resolvable yet, either way; its bytes go out again by hand.
-    let resolve = |resolution: actions::Resolution| {
-        let pool = p.db.pool.clone();
-        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), id, &resolution, 1, "dana").await }
-    };
-    let early = resolve(actions::Resolution::PaidBy(txid.clone())).await.unwrap_err();
+    let early = p.resolve(id, actions::Resolution::PaidBy(txid.clone())).await.unwrap_err();
     assert!(early.to_string().contains("rebroadcast"), "{early}");
     let sent = actions::rebroadcast_btc(&p.db.pool.get().await.unwrap(), worker.node(), id).await.unwrap();
     assert_eq!(sent.to_string(), txid);
     assert!(p.sim.mempool().iter().any(|t| t.to_string() == txid), "sent again");
     p.sim.mine_mempool();
     p.scan().await;
-    let not_paid = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    let not_paid = p.resolve(id, actions::Resolution::NotPaid).await.unwrap_err();
     assert!(not_paid.to_string().contains(&format!("resolve it --paid-by {txid}")), "{not_paid}");
     // A txid pasted in capitals is the same transaction.
-    let resolved = resolve(actions::Resolution::PaidBy(txid.to_uppercase())).await.unwrap();
+    let resolved = p.resolve(id, actions::Resolution::PaidBy(txid.to_uppercase())).await.unwrap();
     assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Confirmed, true));
     assert_eq!(crate::ledger_support::available(&p.db, p.alice).await, settled, "settled once, not twice");
     p.verify().await;
@@ -727,25 +757,12 @@ async fn a_confirmed_payout_reorged_out_deeper_than_the_depth_is_needs_review_un
 async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolves_not_paid() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 2, bump_after_blocks: 2, ..BtcConfig::default() });
-    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
-    worker.pass().await.unwrap();
-    p.sim.mine_empty(2);
-    p.scan().await;
-    assert_eq!(worker.pass().await.unwrap().bumped, 1, "unmined for two blocks: bumped");
-    let (original, bump) = (p.attempt_of(first, "original").await, p.attempt_of(first, "bump").await);
     // A miner that never saw the bump mines the original; the lane's next payout spends its change.
-    p.sim.mine(std::slice::from_ref(&original));
-    p.scan().await;
-    worker.pass().await.unwrap();
+    let (first, original, bump) = p.original_mined_over_its_bump(&worker).await;
     assert_eq!(p.load(first).await.state(), WithdrawalState::Mined);
     let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
     worker.pass().await.unwrap();
-    let spent: String = p
-        .value(&format!(
-            "select r.tx_hash from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
-              where p.withdrawal_id = {second}"
-        ))
-        .await;
+    let spent: String = p.reserved_by(second).await;
     assert_eq!(spent, original.compute_txid().to_string(), "the second payout spends the first's change");
 
     // The block with the original is replaced by one with its bump: the change never existed.
@@ -762,13 +779,9 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
     );
 
     let before: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
-    let resolve = |resolution: actions::Resolution| {
-        let pool = p.db.pool.clone();
-        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), second, &resolution, 1, "dana").await }
-    };
-    let paid = resolve(actions::Resolution::PaidBy(bump.compute_txid().to_string())).await.unwrap_err();
+    let paid = p.resolve(second, actions::Resolution::PaidBy(bump.compute_txid().to_string())).await.unwrap_err();
     assert!(paid.to_string().contains("can never be mined"), "{paid}");
-    let resolved = resolve(actions::Resolution::NotPaid).await.unwrap();
+    let resolved = p.resolve(second, actions::Resolution::NotPaid).await.unwrap();
     assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Cancelled, false));
     let after: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
     assert_eq!(after, before + 100_000, "the hold came back");
@@ -791,15 +804,7 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
 async fn a_spend_two_generations_from_a_replaced_parent_is_needs_review_too() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
-    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
-    worker.pass().await.unwrap();
-    p.sim.mine_empty(2);
-    p.scan().await;
-    assert_eq!(worker.pass().await.unwrap().bumped, 1);
-    let (original, bump) = (p.attempt_of(first, "original").await, p.attempt_of(first, "bump").await);
-    p.sim.mine(std::slice::from_ref(&original));
-    p.scan().await;
-    worker.pass().await.unwrap();
+    let (first, _, bump) = p.original_mined_over_its_bump(&worker).await;
     // The second spends the original's change and is mined; the third spends the second's change.
     let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
     worker.pass().await.unwrap();
@@ -808,12 +813,7 @@ async fn a_spend_two_generations_from_a_replaced_parent_is_needs_review_too() {
     worker.pass().await.unwrap();
     let third = p.request("w3", &p.sim.address(AddrKind::P2wpkh, 4), 50_000).await.unwrap().withdrawal.id().get();
     worker.pass().await.unwrap();
-    let spent: String = p
-        .value(&format!(
-            "select r.tx_hash from utxo_reservation r join btc_spend_payout p on p.spend_id = r.spend_id
-              where p.withdrawal_id = {third}"
-        ))
-        .await;
+    let spent: String = p.reserved_by(third).await;
     assert_eq!(spent, p.load(second).await.tx_hash().unwrap().to_string(), "the third spends the second's change");
 
     p.sim.reorg(2, &[vec![bump.clone()], vec![], vec![]]);
@@ -824,10 +824,7 @@ async fn a_spend_two_generations_from_a_replaced_parent_is_needs_review_too() {
     assert_eq!(report.needs_review, 2, "{report:?}");
     assert_eq!(p.load(third).await.state(), WithdrawalState::NeedsReview);
     for id in [second, third] {
-        let resolved =
-            actions::resolve_btc(&mut p.db.pool.get().await.unwrap(), id, &actions::Resolution::NotPaid, 1, "dana")
-                .await
-                .unwrap();
+        let resolved = p.resolve(id, actions::Resolution::NotPaid).await.unwrap();
         assert_eq!(resolved.withdrawal.state(), WithdrawalState::Cancelled);
     }
     p.settle(&[&worker], &[first], 6).await;
@@ -971,19 +968,15 @@ async fn an_outside_spend_reorged_away_leaves_a_way_out_through_our_own_bytes() 
     p.sim.reorg(1, &[vec![], vec![]]);
     p.sim.evict(theft_txid);
     p.scan().await;
-    let resolve = |resolution: actions::Resolution| {
-        let pool = p.db.pool.clone();
-        async move { actions::resolve_btc(&mut pool.get().await.unwrap(), id, &resolution, 1, "dana").await }
-    };
-    let early = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    let early = p.resolve(id, actions::Resolution::NotPaid).await.unwrap_err();
     assert!(early.to_string().contains("withdrawals rebroadcast"), "{early}");
     let ours = actions::rebroadcast_btc(&p.db.pool.get().await.unwrap(), worker.node(), id).await.unwrap();
     p.sim.mine_mempool();
     p.scan().await;
-    let not_paid = resolve(actions::Resolution::NotPaid).await.unwrap_err();
+    let not_paid = p.resolve(id, actions::Resolution::NotPaid).await.unwrap_err();
     assert!(not_paid.to_string().contains(&format!("resolve it --paid-by {ours}")), "{not_paid}");
     let before: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();
-    let resolved = resolve(actions::Resolution::PaidBy(ours.to_string())).await.unwrap();
+    let resolved = p.resolve(id, actions::Resolution::PaidBy(ours.to_string())).await.unwrap();
     assert_eq!((resolved.withdrawal.state(), resolved.paid), (WithdrawalState::Confirmed, true));
     assert!(resolved.fee.units() > alloy_primitives::U256::ZERO, "its fee charged");
     let after: u64 = crate::ledger_support::available(&p.db, p.alice).await.parse().unwrap();

@@ -579,11 +579,8 @@ impl ActionError {
     }
 }
 
-/// Sends the stored bytes of a withdrawal in review once more: the transaction that was mined (a
-/// payment reorged out deeper than the confirmation depth), so that it can mine again and be
-/// resolved `--paid-by`. Nothing is signed and nothing is written; the node's answer is returned
-/// ("already known" counts as sent).
-pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<TxHash, ActionError> {
+/// The transaction of withdrawal `id` to send again by hand: it must be in review and have one.
+async fn to_send_again(client: &deadpool_postgres::Object, id: i64) -> Result<TxHash, ActionError> {
     let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
     if w.state() != WithdrawalState::NeedsReview {
         return Err(ActionError::WrongState {
@@ -592,9 +589,15 @@ pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id:
             message: "only a withdrawal in review is sent by hand (the worker keeps the others alive)",
         });
     }
-    let hash = w
-        .tx_hash()
-        .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
+    w.tx_hash().ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })
+}
+
+/// Sends the stored bytes of a withdrawal in review once more: the transaction that was mined (a
+/// payment reorged out deeper than the confirmation depth), so that it can mine again and be
+/// resolved `--paid-by`. Nothing is signed and nothing is written; the node's answer is returned
+/// ("already known" counts as sent).
+pub async fn rebroadcast(client: &deadpool_postgres::Object, node: &EthNode, id: i64) -> Result<TxHash, ActionError> {
+    let hash = to_send_again(client, id).await?;
     let attempt = sql::attempts(client, id).await?.into_iter().find(|a| a.tx_hash == hash).ok_or_else(|| {
         ActionError::Evidence { id, reason: format!("its transaction {hash} is not one of its attempts") }
     })?;
@@ -614,17 +617,7 @@ pub async fn rebroadcast_btc(
     id: i64,
 ) -> Result<TxHash, ActionError> {
     use crate::btc::node::Sent;
-    let w = sql::load(client, id).await?.ok_or(ActionError::Unknown(id))?;
-    if w.state() != WithdrawalState::NeedsReview {
-        return Err(ActionError::WrongState {
-            id,
-            state: w.state().as_str(),
-            message: "only a withdrawal in review is sent by hand (the worker keeps the others alive)",
-        });
-    }
-    let hash = w
-        .tx_hash()
-        .ok_or_else(|| ActionError::Evidence { id, reason: "it has no signed transaction to send".into() })?;
+    let hash = to_send_again(client, id).await?;
     let raw: Vec<u8> = client
         .query_opt(
             "select a.raw_tx from btc_attempt a join btc_spend_payout p on p.spend_id = a.spend_id

@@ -161,6 +161,12 @@ select distinct on (a.spend_id) a.spend_id, a.coin_tx, a.coin_index, s.spending_
  where s.spending_tx <> a.parent_tx
  order by a.spend_id, a.hops, b.height";
 
+/// A withdrawal still holding its customer's funds and not yet in review: what an alert about its
+/// spend sends to review.
+fn open_holding(w: &Withdrawal) -> bool {
+    w.state() != WithdrawalState::NeedsReview && w.holds_funds()
+}
+
 /// How far below the tip a confirmed payout's orphaned block is still looked at: the scanner's
 /// reorg window (its default `retention_blocks`); a fork deeper than that stops the scanner.
 const DEEP_REORG_WINDOW: u64 = 1024;
@@ -873,6 +879,27 @@ impl BtcWorker {
         Ok(worker::record_together(&self.pool, items).await?.into_iter().filter(|took| *took).count() as u64)
     }
 
+    /// Every withdrawal of `spend` that passes `still` goes to `needs_review` for `reason` (all
+    /// together), and the lane pauses for `pause` (an alert stops the lane's automation).
+    #[allow(clippy::too_many_arguments)]
+    async fn review_spend(
+        &self,
+        client: &deadpool_postgres::Object,
+        lane: &Lane<BtcAddress>,
+        spend: &OpenSpend,
+        still: impl Fn(&Withdrawal) -> bool + Copy + Send + Sync + 'static,
+        reason: &str,
+        pause: &str,
+        report: &mut PassReport,
+    ) -> Result<(), WorkError> {
+        let event = WithdrawalEvent::NeedsReview { reason: reason.to_owned() };
+        report.needs_review += self.record_all(spend, still, &event).await?;
+        if sql::pause_lane_on(client, "btc", lane.lane.as_str(), pause, false).await? {
+            report.paused_lanes.push(lane.lane.to_string());
+        }
+        Ok(())
+    }
+
     /// Confirmed payouts whose block a reorg deeper than the confirmation depth took away and
     /// whose reserved coins no payout of their spend (the original or a bump) spends on the
     /// canonical chain any more: not mined again, or a cancel or an outside transaction mined
@@ -919,15 +946,9 @@ impl BtcWorker {
             );
             metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.to_string()).increment(1);
             tracing::error!(lane = %lane.lane, spend = spend.id, "ALERT: {reason}");
-            let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-            let n = self.record_all(spend, |w| w.state() == WithdrawalState::Confirmed, &event).await?;
-            report.needs_review += n;
-            if n > 0
-                && sql::pause_lane_on(&client, "btc", lane.lane.as_str(), &format!("needs review: {reason}"), false)
-                    .await?
-            {
-                report.paused_lanes.push(lane.lane.to_string());
-            }
+            let confirmed = |w: &Withdrawal| w.state() == WithdrawalState::Confirmed;
+            self.review_spend(&client, lane, spend, confirmed, &reason, &format!("needs review: {reason}"), report)
+                .await?;
             self.reorged.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&spend.id);
         }
         Ok(())
@@ -979,16 +1000,8 @@ impl BtcWorker {
                 );
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a spend lost its input");
                 metrics::counter!("custodian_btc_input_lost_total", "lane" => lane.lane.to_string()).increment(1);
-                let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-                let still = |w: &Withdrawal| w.state() != WithdrawalState::NeedsReview && w.holds_funds();
-                let n = self.record_all(spend, still, &event).await?;
-                report.needs_review += n;
-                if n > 0
-                    && sql::pause_lane_on(&client, "btc", lane.lane.as_str(), &format!("needs review: {reason}"), false)
-                        .await?
-                {
-                    report.paused_lanes.push(lane.lane.to_string());
-                }
+                let pause = format!("needs review: {reason}");
+                self.review_spend(&client, lane, spend, open_holding, &reason, &pause, report).await?;
                 continue;
             }
             if let Some(outside) = mine.iter().find(|r| r.get::<_, Option<String>>(6).is_none()) {
@@ -1001,20 +1014,8 @@ impl BtcWorker {
                 );
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a reserved coin was spent outside the service");
                 metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.to_string()).increment(1);
-                let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-                let still = |w: &Withdrawal| w.state() != WithdrawalState::NeedsReview && w.holds_funds();
-                report.needs_review += self.record_all(spend, still, &event).await?;
-                if sql::pause_lane_on(
-                    &client,
-                    "btc",
-                    lane.lane.as_str(),
-                    &format!("a reserved coin was spent outside the service: {reason}"),
-                    false,
-                )
-                .await?
-                {
-                    report.paused_lanes.push(lane.lane.to_string());
-                }
+                let pause = format!("a reserved coin was spent outside the service: {reason}");
+                self.review_spend(&client, lane, spend, open_holding, &reason, &pause, report).await?;
                 continue;
             }
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
