@@ -948,6 +948,42 @@ async fn a_reserved_coin_spent_outside_the_service_is_needs_review_and_pauses_th
     assert_eq!(reconciled.code, 3, "the stolen coin is still custody in the ledger: {}", reconciled.stdout);
 }
 
+/// An alert's review and its lane's pause are one transaction. A pass stopped between them (here
+/// the lane's row held by another transaction until the worker gives up on it) writes neither,
+/// and the next pass writes both. Before, the withdrawal went to review in a transaction of its
+/// own and the pause came after it: stopped in between, the lane stayed open with its key known
+/// outside, and no later pass paused it (the withdrawal was in review already).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_stopped_between_an_alert_and_its_pause_writes_neither() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let config = BtcConfig { confirmations: 1, ..BtcConfig::default() };
+    let id = p.request("w", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+    p.worker(BtcConfig::default()).allocate_lane("b0").await.unwrap();
+    let theft = p.theft_of_the_reserved_coin().await;
+    p.sim.mine(&[theft]);
+    p.scan().await;
+    let paused = || async {
+        let lanes = hot_wallet::lanes_on::<BtcAddress, _>(&p.db.pool.get().await.unwrap()).await.unwrap();
+        lanes[0].pause_reason.is_some()
+    };
+
+    let mut holder = p.db.client().await;
+    let held = holder.transaction().await.unwrap();
+    held.execute("select 1 from hot_wallet where chain = 'btc' and lane = 'b0' for update", &[]).await.unwrap();
+    let failed = p.worker_giving_up_on_locks(config.clone()).await.pass().await.unwrap();
+    assert_eq!(failed.lane_errors.len(), 1, "{failed:?}");
+    assert_eq!(
+        (p.load(id).await.state(), paused().await),
+        (WithdrawalState::Signed, false),
+        "a stopped alert writes neither the review nor the pause"
+    );
+    held.rollback().await.unwrap();
+
+    let report = p.worker(config).pass().await.unwrap();
+    assert_eq!((report.needs_review, report.paused_lanes.clone()), (1, vec!["b0".to_owned()]), "{report:?}");
+    assert_eq!((p.load(id).await.state(), paused().await), (WithdrawalState::NeedsReview, true));
+}
+
 /// A withdrawal in review for an outside spend that a reorg then took away, with nothing else
 /// spending its coin, has a way out: its own bytes sent again (`rebroadcast_btc`), then, once
 /// mined and buried, resolved paid by them. Before, --not-paid said "rebroadcast it instead",

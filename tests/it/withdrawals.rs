@@ -13,6 +13,26 @@ use serde_json::{json, Value};
 
 use crate::eth_harness::{config, destination, Harness, ETHER, FUNDER};
 
+/// Someone with lane a's key replaces withdrawal `id`'s pending transaction at the same nonce,
+/// and a block mines the replacement. Returns the withdrawal as it was.
+async fn replaced_outside(h: &Harness, id: i64) -> custodian_domain::withdrawal::Withdrawal {
+    let ours = sql::load(&h.db.pool.get().await.unwrap(), id).await.unwrap().unwrap();
+    let outside = alloy::consensus::TxEip1559 {
+        chain_id: 31337,
+        nonce: ours.nonce().unwrap().get(),
+        gas_limit: 21_000,
+        max_fee_per_gas: 1_000_000_000_000,
+        max_priority_fee_per_gas: 500_000_000_000,
+        to: alloy_primitives::TxKind::Call(FUNDER.parse().unwrap()),
+        value: U256::from(1u8),
+        ..Default::default()
+    };
+    let signed = h.signers["a"].sign(outside).unwrap();
+    h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
+    h.mine(1).await;
+    ours
+}
+
 #[tokio::test]
 async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_keeps_going() {
     let h = Harness::start(&["--no-mining"]).await;
@@ -27,24 +47,9 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
     }
     let worker = h.worker(config(1));
     worker.pass().await.unwrap();
-    // Someone with lane a's key replaces our pending transaction at the same nonce.
     let lane_a =
         hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap().into_iter().find(|l| l.lane == "a").unwrap();
-    let ours = sql::load(&h.db.pool.get().await.unwrap(), by_lane["a"]).await.unwrap().unwrap();
-    let thief = h.signers["a"].clone();
-    let outside = alloy::consensus::TxEip1559 {
-        chain_id: 31337,
-        nonce: ours.nonce().unwrap().get(),
-        gas_limit: 21_000,
-        max_fee_per_gas: 1_000_000_000_000,
-        max_priority_fee_per_gas: 500_000_000_000,
-        to: alloy_primitives::TxKind::Call(FUNDER.parse().unwrap()),
-        value: U256::from(1u8),
-        ..Default::default()
-    };
-    let signed = thief.sign(outside).unwrap();
-    h.rpc("eth_sendRawTransaction", json!([format!("0x{}", alloy_primitives::hex::encode(&signed.raw))])).await;
-    h.mine(1).await;
+    let ours = replaced_outside(&h, by_lane["a"]).await;
     for _ in 0..10 {
         worker.pass().await.unwrap();
         h.mine(1).await;
@@ -92,6 +97,67 @@ async fn a_hot_key_used_outside_the_service_pauses_its_lane_and_the_other_lane_k
         Box::pin(async move { h.state(next.get()).await == WithdrawalState::Confirmed })
     })
     .await;
+}
+
+/// The alert for a nonce used outside the service and the lane's pause are one transaction. A
+/// pass stopped between them (here lane a's row held by another transaction until the worker's
+/// session gives up on it) writes neither; a later pass writes both. Before, the withdrawal went
+/// to review in a transaction of its own and the pause came after: stopped in between, the lane
+/// whose key is known outside stayed open, and no later pass paused it (the withdrawal was in
+/// review already, so its alert was never raised again).
+#[tokio::test]
+async fn a_pass_stopped_between_an_outside_nonce_alert_and_its_pause_writes_neither() {
+    let h = Harness::start(&["--no-mining"]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let mut n = 0;
+    let id = loop {
+        n += 1;
+        let w = h.request(alice, &format!("lane-{n}"), &destination(100 + n), ETHER / 100).await.unwrap().withdrawal;
+        if w.lane() == "a" {
+            break w.id().get();
+        }
+    };
+    let url: custodian_store::DatabaseUrl =
+        format!("{}?options=-c%20lock_timeout%3D300", h.db.url.expose()).parse().unwrap();
+    let pool = custodian_store::pool::connect(&url, 4).await.unwrap();
+    let worker = custodian_withdrawals::Worker::new(pool, h.node.clone(), h.signers.clone(), config(1));
+    worker.pass().await.unwrap();
+    replaced_outside(&h, id).await;
+    // The first sighting; the alert needs a second one at a later block.
+    worker.pass().await.unwrap();
+    assert_eq!(h.state(id).await, WithdrawalState::Broadcast);
+    h.mine(1).await;
+    let paused = || async {
+        let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+        lanes.iter().find(|l| l.lane == "a").unwrap().pause_reason.is_some()
+    };
+
+    let mut holder = h.db.client().await;
+    let held = holder.transaction().await.unwrap();
+    held.execute("select 1 from hot_wallet where chain = 'eth' and lane = 'a' for update", &[]).await.unwrap();
+    let failed = worker.pass().await.unwrap();
+    assert_eq!(failed.lane_errors.len(), 1, "{failed:?}");
+    assert_eq!(
+        (h.state(id).await, paused().await),
+        (WithdrawalState::Broadcast, false),
+        "a stopped alert writes neither the review nor the pause"
+    );
+    held.rollback().await.unwrap();
+
+    // Seen again at two later blocks (the lane backed off meanwhile), then both written.
+    for _ in 0..20 {
+        if h.state(id).await == WithdrawalState::NeedsReview {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        worker.pass().await.unwrap();
+        h.mine(1).await;
+    }
+    assert_eq!((h.state(id).await, paused().await), (WithdrawalState::NeedsReview, true));
+    let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+    let lane_a = lanes.iter().find(|l| l.lane == "a").unwrap();
+    assert!(lane_a.pause_reason.as_deref().unwrap().contains("did not sign"), "{lane_a:?}");
+    assert_eq!(h.count("select count(*) from hot_wallet where chain = 'eth' and lane = 'a' and needs_resync").await, 1);
 }
 
 #[tokio::test]

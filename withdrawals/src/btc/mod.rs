@@ -880,11 +880,10 @@ impl BtcWorker {
     }
 
     /// Every withdrawal of `spend` that passes `still` goes to `needs_review` for `reason` (all
-    /// together), and the lane pauses for `pause` (an alert stops the lane's automation).
-    #[allow(clippy::too_many_arguments)]
+    /// together), and the lane pauses for `pause` (an alert stops the lane's automation) in the
+    /// same transaction ([`worker::Pause`]).
     async fn review_spend(
         &self,
-        client: &deadpool_postgres::Object,
         lane: &Lane<BtcAddress>,
         spend: &OpenSpend,
         still: impl Fn(&Withdrawal) -> bool + Copy + Send + Sync + 'static,
@@ -893,8 +892,16 @@ impl BtcWorker {
         report: &mut PassReport,
     ) -> Result<(), WorkError> {
         let event = WithdrawalEvent::NeedsReview { reason: reason.to_owned() };
-        report.needs_review += self.record_all(spend, still, &event).await?;
-        if sql::pause_lane_on(client, "btc", lane.lane.as_str(), pause, false).await? {
+        let items = spend
+            .withdrawals
+            .iter()
+            .map(|id| Recording { id: *id, still: Box::new(still), event: event.clone() })
+            .collect();
+        let pause =
+            worker::Pause { chain: "btc", lane: lane.lane.as_str(), reason: pause.to_owned(), needs_resync: false };
+        let (recorded, paused) = worker::record_together_pausing(&self.pool, items, Some(&pause)).await?;
+        report.needs_review += recorded.into_iter().filter(|took| *took).count() as u64;
+        if paused {
             report.paused_lanes.push(lane.lane.to_string());
         }
         Ok(())
@@ -947,8 +954,7 @@ impl BtcWorker {
             metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.to_string()).increment(1);
             tracing::error!(lane = %lane.lane, spend = spend.id, "ALERT: {reason}");
             let confirmed = |w: &Withdrawal| w.state() == WithdrawalState::Confirmed;
-            self.review_spend(&client, lane, spend, confirmed, &reason, &format!("needs review: {reason}"), report)
-                .await?;
+            self.review_spend(lane, spend, confirmed, &reason, &format!("needs review: {reason}"), report).await?;
             self.reorged.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&spend.id);
         }
         Ok(())
@@ -1001,7 +1007,7 @@ impl BtcWorker {
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a spend lost its input");
                 metrics::counter!("custodian_btc_input_lost_total", "lane" => lane.lane.to_string()).increment(1);
                 let pause = format!("needs review: {reason}");
-                self.review_spend(&client, lane, spend, open_holding, &reason, &pause, report).await?;
+                self.review_spend(lane, spend, open_holding, &reason, &pause, report).await?;
                 continue;
             }
             if let Some(outside) = mine.iter().find(|r| r.get::<_, Option<String>>(6).is_none()) {
@@ -1015,7 +1021,7 @@ impl BtcWorker {
                 tracing::error!(lane = %lane.lane, spend = spend.id, %reason, "ALERT: a reserved coin was spent outside the service");
                 metrics::counter!("custodian_unknown_spend_total", "lane" => lane.lane.to_string()).increment(1);
                 let pause = format!("a reserved coin was spent outside the service: {reason}");
-                self.review_spend(&client, lane, spend, open_holding, &reason, &pause, report).await?;
+                self.review_spend(lane, spend, open_holding, &reason, &pause, report).await?;
                 continue;
             }
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");

@@ -330,13 +330,16 @@ impl Worker {
     }
 }
 
+/// Why a lane pauses when one of its withdrawal rows was tampered with.
+const TAMPERED: &str = "a withdrawal row did not match its requested event";
+
 /// Each withdrawal whose projection disagrees with its event stream (what it pays, its state
-/// or its sequence) goes to `needs_review` with both versions, and the lane pauses: nothing
-/// more leaves it until a person has looked. A row without a readable stream cannot take an
-/// event; it is alerted on and its lane pauses all the same.
+/// or its sequence) goes to `needs_review` with both versions, and the lane pauses in the same
+/// transaction: nothing more leaves it until a person has looked. A row without a readable
+/// stream cannot take an event; it is alerted on and its lane pauses all the same.
 pub(crate) async fn review_tampered(
     pool: &custodian_store::Pool,
-    chain: &str,
+    chain: &'static str,
     lane: &str,
     tampered: Vec<(i64, String)>,
 ) -> Result<(), WorkError> {
@@ -345,6 +348,8 @@ pub(crate) async fn review_tampered(
         metrics::counter!("custodian_withdrawal_tampered_total").increment(1);
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
+        // The lane's row before the withdrawal's, as the allocator locks them.
+        tx.execute("select 1 from hot_wallet where chain = $1 and lane = $2 for update", &[&chain, &lane]).await?;
         if tx.query_opt("select 1 from withdrawal where id = $1 for update", &[&id]).await?.is_none() {
             continue;
         }
@@ -364,10 +369,10 @@ pub(crate) async fn review_tampered(
             tx.commit().await?;
         } else if w.state() != WithdrawalState::NeedsReview {
             sql::append(&tx, &mut w, WithdrawalEvent::NeedsReview { reason }).await?;
+            sql::pause_lane_on(&tx, chain, lane, TAMPERED, false).await?;
             tx.commit().await?;
         }
     }
-    sql::pause_lane_on(&pool.get().await?, chain, lane, "a withdrawal row did not match its requested event", false)
-        .await?;
+    sql::pause_lane_on(&pool.get().await?, chain, lane, TAMPERED, false).await?;
     Ok(())
 }

@@ -279,8 +279,8 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
     let mut order: Vec<(usize, Recording)> = items.into_iter().enumerate().collect();
     order.sort_by_key(|(_, item)| item.id);
     for chunk in order.chunks(RECORD_BATCH) {
-        match record_in_one_transaction(pool, chunk).await {
-            Ok(done) => {
+        match record_in_one_transaction(pool, chunk, None).await {
+            Ok((done, _)) => {
                 for ((index, _), took) in chunk.iter().zip(done) {
                     recorded[*index] = took;
                 }
@@ -303,36 +303,76 @@ pub(crate) async fn record_all(pool: &Pool, items: Vec<Recording>) -> Result<Vec
 /// # Cancel safety
 /// One transaction; cancelled, it writes nothing.
 pub(crate) async fn record_together(pool: &Pool, items: Vec<Recording>) -> Result<Vec<bool>, WorkError> {
+    Ok(record_together_pausing(pool, items, None).await?.0)
+}
+
+/// A lane to pause in the same transaction as the alert that calls for it: the withdrawals an
+/// alert sends to review and the pause that stops their lane are written together or not at all.
+/// Written one after the other, a stop in between would leave the lane paying on (its key perhaps
+/// known outside) with the alert recorded, and nothing would raise it again.
+pub(crate) struct Pause<'a> {
+    pub(crate) chain: &'static str,
+    pub(crate) lane: &'a str,
+    pub(crate) reason: String,
+    /// Resuming the lane takes a resync first (its key was used outside the service).
+    pub(crate) needs_resync: bool,
+}
+
+/// [`record_together`], and, when anything was recorded, `pause` in the same transaction.
+/// Returns whether each was recorded and whether the lane was paused by this call (it may have
+/// been paused already).
+pub(crate) async fn record_together_pausing(
+    pool: &Pool,
+    items: Vec<Recording>,
+    pause: Option<&Pause<'_>>,
+) -> Result<(Vec<bool>, bool), WorkError> {
     let mut order: Vec<(usize, Recording)> = items.into_iter().enumerate().collect();
     order.sort_by_key(|(_, item)| item.id);
-    let done = record_in_one_transaction(pool, &order).await?;
+    let (done, paused) = record_in_one_transaction(pool, &order, pause).await?;
     let mut recorded = vec![false; order.len()];
     for ((index, _), took) in order.iter().zip(done) {
         recorded[*index] = took;
     }
-    Ok(recorded)
+    Ok((recorded, paused))
 }
 
 /// `items` (sorted by id) recorded in one transaction: their rows locked first, in id order, by
 /// one statement; then each withdrawal's statements in order, different withdrawals' pipelined on
-/// the one connection (their rows, streams and transfers are disjoint). Whether each was
-/// recorded, in the order given.
-async fn record_in_one_transaction(pool: &Pool, items: &[(usize, Recording)]) -> Result<Vec<bool>, WorkError> {
+/// the one connection (their rows, streams and transfers are disjoint). With `pause`, the lane's
+/// row is locked before theirs (the order in which the allocator and the replacements lock them,
+/// so none waits on another in a cycle) and the lane paused if anything was recorded. Whether each
+/// was recorded, in the order given, and whether the lane was paused.
+async fn record_in_one_transaction(
+    pool: &Pool,
+    items: &[(usize, Recording)],
+    pause: Option<&Pause<'_>>,
+) -> Result<(Vec<bool>, bool), WorkError> {
     let mut client = pool.get().await?;
     let transaction = client.transaction().await?;
+    if let Some(pause) = pause {
+        transaction
+            .execute("select 1 from hot_wallet where chain = $1 and lane = $2 for update", &[&pause.chain, &pause.lane])
+            .await?;
+    }
     let ids: Vec<i64> = items.iter().map(|(_, item)| item.id).collect();
     transaction.execute("select 1 from withdrawal where id = any($1) order by id for update", &[&ids]).await?;
     let tx = &transaction;
     let pending: Vec<_> = items.iter().enumerate().map(|(at, (_, item))| record_one(tx, at, item)).collect();
     let done: Vec<Option<(usize, &'static str)>> =
         futures::stream::iter(pending).buffer_unordered(RECORD_PIPELINE).try_collect().await?;
+    let paused = match pause {
+        Some(pause) if done.iter().any(Option::is_some) => {
+            sql::pause_lane_on(&transaction, pause.chain, pause.lane, &pause.reason, pause.needs_resync).await?
+        }
+        _ => false,
+    };
     transaction.commit().await?;
     let mut recorded = vec![false; items.len()];
     for (at, state) in done.into_iter().flatten() {
         recorded[at] = true;
         metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
     }
-    Ok(recorded)
+    Ok((recorded, paused))
 }
 
 /// One withdrawal's part of [`record_all`], inside its transaction: `None` when it no longer
@@ -507,6 +547,41 @@ impl Worker {
         event: WithdrawalEvent,
     ) -> Result<bool, WorkError> {
         record(&self.pool, id, still, event).await
+    }
+
+    /// Sends `id` to `needs_review` for `reason` if it still passes `still`, and pauses its lane
+    /// for `pause` in the same transaction ([`Pause`]; `needs_resync` when the key was used
+    /// outside the service). Whether it was recorded.
+    #[allow(clippy::too_many_arguments)]
+    async fn review(
+        &self,
+        lane: &Lane,
+        id: i64,
+        still: impl Fn(&Withdrawal) -> bool + Send + Sync + 'static,
+        reason: &str,
+        pause: &str,
+        needs_resync: bool,
+        report: &mut PassReport,
+    ) -> Result<bool, WorkError> {
+        let item =
+            Recording { id, still: Box::new(still), event: WithdrawalEvent::NeedsReview { reason: reason.to_owned() } };
+        let pause = Pause {
+            chain: "eth",
+            lane: lane.lane.as_str(),
+            reason: if needs_resync {
+                format!("{pause}; resync the lane before resuming it")
+            } else {
+                pause.to_owned()
+            },
+            needs_resync,
+        };
+        let (recorded, paused) = record_together_pausing(&self.pool, vec![item], Some(&pause)).await?;
+        if paused {
+            report.paused_lanes.push(lane.lane.to_string());
+        }
+        let recorded = recorded[0];
+        report.needs_review += u64::from(recorded);
+        Ok(recorded)
     }
 
     async fn pause(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {

@@ -88,17 +88,8 @@ impl Worker {
                     metrics::counter!("custodian_unknown_transaction_alerts_total", "address" => lane.address.to_lowercase_hex())
                         .increment(1);
                     tracing::error!(withdrawal = %id, lane = %lane.lane, "ALERT: {reason}");
-                    if self
-                        .record(
-                            id,
-                            |w| UNMINED.contains(&w.state()),
-                            WithdrawalEvent::NeedsReview { reason: reason.clone() },
-                        )
-                        .await?
-                    {
-                        report.needs_review += 1;
-                        self.pause_for_resync(lane, &format!("needs review: {reason}"), report).await?;
-                    }
+                    let pause = format!("needs review: {reason}");
+                    self.review(lane, id, |w| UNMINED.contains(&w.state()), &reason, &pause, true, report).await?;
                 }
             }
         }
@@ -147,6 +138,11 @@ impl Worker {
             let attempts = attempts_of_this;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
             let event = outcome(&w, address, mined, &receipt, mined_in);
+            if let WithdrawalEvent::NeedsReview { reason } = &event {
+                let pause = "a mined attempt pays something no intent of its withdrawal asked for";
+                self.review(lane, id.get(), still_mined_there, reason, pause, false, report).await?;
+                continue;
+            }
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
             settled.push((
                 Recording { id: id.get(), still: Box::new(still_mined_there), event: event.clone() },
@@ -165,14 +161,10 @@ impl Worker {
                 WithdrawalEvent::Cancelled { .. } => report.cancelled += 1,
                 WithdrawalEvent::Confirmed { .. } => report.confirmed += 1,
                 WithdrawalEvent::FailedOnchain { .. } => report.failed_onchain += 1,
-                _ => report.needs_review += 1,
+                other => unreachable!("BUG: a settlement recorded as {}", other.event_type()),
             }
             if short_paid {
                 report.short_paid += 1;
-            }
-            if matches!(&event, WithdrawalEvent::NeedsReview { .. }) {
-                self.pause(lane, "a mined attempt pays something no intent of its withdrawal asked for", report)
-                    .await?;
             }
         }
         self.reorged_past_depth(lane, &client, head, mined_count, report).await?;
@@ -215,11 +207,8 @@ impl Worker {
             );
             metrics::counter!("custodian_deep_reorg_alerts_total", "lane" => lane.lane.to_string()).increment(1);
             tracing::error!(withdrawal = %id, lane = %lane.lane, "ALERT: {reason}");
-            let event = WithdrawalEvent::NeedsReview { reason: reason.clone() };
-            if self.record(id, |w| w.state() == WithdrawalState::Confirmed, event).await? {
-                report.needs_review += 1;
-                self.pause(lane, &format!("needs review: {reason}"), report).await?;
-            }
+            let pause = format!("needs review: {reason}");
+            self.review(lane, id, |w| w.state() == WithdrawalState::Confirmed, &reason, &pause, false, report).await?;
         }
         Ok(())
     }

@@ -604,6 +604,47 @@ async fn a_projection_row_changed_behind_the_events_is_never_signed_and_pauses_i
     );
 }
 
+/// The review of a tampered row and its lane's pause are one transaction: when the pause cannot
+/// be written (here a trigger the owner adds refuses it, as a stop between the two would), the
+/// review is not written either, and the next pass finds the row again and writes both. Before,
+/// the review committed first: the row left the requested queue in review, the lane stayed open,
+/// and no later pass looked at that row again.
+#[tokio::test]
+async fn a_tampered_row_goes_to_review_only_with_its_lane_paused() {
+    let h = Harness::start(&[]).await;
+    let alice = h.funded_account("alice", 10 * ETHER).await;
+    let w = h.request(alice, "pay-1", &destination(41), ETHER / 10).await.unwrap().withdrawal;
+    let owner = h.db.owner_client().await;
+    owner
+        .batch_execute(&format!(
+            "alter table withdrawal disable trigger withdrawal_request_immutable;
+             update withdrawal set destination = '{mallory}' where id = {id};
+             alter table withdrawal enable trigger withdrawal_request_immutable;
+             create function refuse_pause() returns trigger language plpgsql as
+                 $$ begin raise exception 'pausing refused by the test'; end; $$;
+             create trigger refuse_pause before update of paused_at on hot_wallet
+                 for each row when (new.paused_at is not null) execute function refuse_pause();",
+            mallory = destination(66).to_lowercase(),
+            id = w.id()
+        ))
+        .await
+        .unwrap();
+    let refused = h.worker(config(1)).pass().await.unwrap();
+    assert_eq!(refused.lane_errors.len(), 1, "{refused:?}");
+    assert!(refused.lane_errors[0].contains("pausing refused by the test"), "{refused:?}");
+    let paused = || async {
+        let lanes = hot_wallet::lanes(&h.db.pool.get().await.unwrap()).await.unwrap();
+        lanes.iter().any(|l| l.lane == w.lane().as_str() && l.pause_reason.is_some())
+    };
+    assert_eq!((h.state(w.id().get()).await, paused().await), (WithdrawalState::Requested, false), "neither written");
+
+    owner.batch_execute("drop trigger refuse_pause on hot_wallet").await.unwrap();
+    let report = h.worker(config(1)).pass().await.unwrap();
+    assert_eq!(report.signed, 0, "{report:?}");
+    assert_eq!((h.state(w.id().get()).await, paused().await), (WithdrawalState::NeedsReview, true), "both written");
+    assert_eq!(h.count("select count(*) from withdrawal_attempt").await, 0, "nothing signed");
+}
+
 #[tokio::test]
 async fn a_state_flipped_back_to_requested_behind_the_events_is_never_signed() {
     let h = Harness::start(&[]).await;
