@@ -273,6 +273,23 @@ impl Payouts {
         (first, original, bump)
     }
 
+    /// A payout of `amount` sats to simulator address `n`, signed, sent and mined, and the worker
+    /// told: its id.
+    async fn mined_payout(&self, worker: &BtcWorker, external_id: &str, n: u32, amount: u64) -> i64 {
+        let id = self
+            .request(external_id, &self.sim.address(AddrKind::P2wpkh, n), amount)
+            .await
+            .unwrap()
+            .withdrawal
+            .id()
+            .get();
+        worker.pass().await.unwrap();
+        self.sim.mine_mempool();
+        self.scan().await;
+        worker.pass().await.unwrap();
+        id
+    }
+
     /// The coin withdrawal `id`'s transaction reserved (its txid): one coin.
     async fn reserved_by(&self, id: i64) -> String {
         self.value(&format!(
@@ -797,6 +814,50 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
     p.verify().await;
 }
 
+/// A payout a reorg sent back, whose change the lane's next payout already spends, is not
+/// replaced when it ages: its replacement would take that change away from the next payout, which
+/// could then never be mined (an alert, a paused lane and a customer asked to request again, all
+/// of our own making). The next payout's bump, which spends the same change, pays for both (child
+/// pays for parent), and both are mined and confirmed; a cancel of the first is refused for the
+/// same reason. Before, the first was bumped, the node dropped the second with it, and once the
+/// bump was mined the second went to review.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spender() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
+    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
+    let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    let parent = p.attempt_of(first, "original").await.compute_txid();
+    assert_eq!(p.reserved_by(second).await, parent.to_string(), "the second spends the first's change");
+
+    // The block with the first is replaced by empty ones; both wait in the mempool, unmined, until
+    // they are old enough to be bumped.
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().unmined, 1);
+    // A cancel would take the change away just the same: refused, nothing written.
+    let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), first, "dana").await.unwrap_err();
+    assert!(refused.to_string().contains("later payout of ours spends"), "{refused}");
+    assert_eq!(p.load(first).await.state(), WithdrawalState::Broadcast);
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.bumped, 1, "{report:?}");
+    assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(parent.to_string()), "the first as it was");
+    assert!(p.sim.mempool().contains(&parent));
+    p.settle(&[&worker], &[first, second], 8).await;
+    assert_eq!(
+        (p.load(first).await.state(), p.load(second).await.state()),
+        (WithdrawalState::Confirmed, WithdrawalState::Confirmed)
+    );
+    assert_eq!(
+        p.attempt_of(second, "bump").await.compute_txid().to_string(),
+        p.load(second).await.tx_hash().unwrap().to_string()
+    );
+    p.verify().await;
+}
+
 /// Two generations: a payout spending the change of a payout that spent the change of a replaced
 /// transaction can never be mined either; both are `needs_review` and resolve `--not-paid`.
 /// Before, only the first generation was found and the second stayed `broadcast`.
@@ -806,11 +867,7 @@ async fn a_spend_two_generations_from_a_replaced_parent_is_needs_review_too() {
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
     let (first, _, bump) = p.original_mined_over_its_bump(&worker).await;
     // The second spends the original's change and is mined; the third spends the second's change.
-    let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
-    worker.pass().await.unwrap();
-    p.sim.mine_mempool();
-    p.scan().await;
-    worker.pass().await.unwrap();
+    let second = p.mined_payout(&worker, "w2", 3, 100_000).await;
     let third = p.request("w3", &p.sim.address(AddrKind::P2wpkh, 4), 50_000).await.unwrap().withdrawal.id().get();
     worker.pass().await.unwrap();
     let spent: String = p.reserved_by(third).await;

@@ -160,6 +160,26 @@ pub async fn cancel(
                               would replace that transaction and cancel them too, so the batch stands",
                 });
             }
+            // A payout a reorg sent back may have its change spent by a later payout of ours: its
+            // cancel would take that change away, and the later payout could never be mined.
+            let spent_on: bool = tx
+                .query_one(
+                    "select exists (select 1 from utxo_reservation r
+                                      join btc_spend_payout p on p.withdrawal_id = $1
+                                     where r.chain = 'btc' and r.tx_hash = $2 and r.released_at is null
+                                       and r.spend_id <> p.spend_id)",
+                    &[&id, &w.live_attempt().map(|h| h.to_string())],
+                )
+                .await?
+                .get(0);
+            if spent_on {
+                return Err(ActionError::WrongState {
+                    id,
+                    state: w.state().as_str(),
+                    message: "a later payout of ours spends its transaction's change; cancelling it would take that \
+                              change away and the later payout could never be mined",
+                });
+            }
             sql::append(&tx, &mut w, WithdrawalEvent::CancelRequested { by: by.to_owned() }).await?;
         }
         WithdrawalState::CancelRequested | WithdrawalState::Cancelled => return Ok((w, false)),

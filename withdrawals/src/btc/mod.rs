@@ -1178,6 +1178,13 @@ impl BtcWorker {
                 continue;
             }
             let live = w.live_attempt().expect("BUG: a signed withdrawal without a live attempt");
+            if !refused.contains(&spend.id) && Self::has_spender(&client, live, spend.id).await? {
+                // A reorg sent it back with its change already spent by a later spend of ours:
+                // replaced, that change would never exist and the later spend could never be
+                // mined. The later spend's own bump pays for both (child pays for parent).
+                tracing::info!(lane = %lane.lane, tx = %live, "not replaced: a later spend of ours spends its change");
+                continue;
+            }
             let attempt = Self::attempt(&client, live).await?;
             let mut replacement: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
             let prevouts = Self::reserved(&client, spend.id, &replacement).await?;
@@ -1228,6 +1235,19 @@ impl BtcWorker {
             }
         }
         Ok(())
+    }
+
+    /// Whether a live reservation of another spend than `spend` holds an output of `tx`: a later
+    /// spend of ours spends its change.
+    async fn has_spender(client: &deadpool_postgres::Object, tx: TxHash, spend: i64) -> Result<bool, WorkError> {
+        Ok(client
+            .query_one(
+                "select exists (select 1 from utxo_reservation
+                                 where chain = 'btc' and tx_hash = $1 and released_at is null and spend_id <> $2)",
+                &[&tx.to_string(), &spend],
+            )
+            .await?
+            .get(0))
     }
 
     /// Records a replacement of `live` under the lane lock, if every withdrawal of the spend still
