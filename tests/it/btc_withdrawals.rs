@@ -290,6 +290,17 @@ impl Payouts {
         id
     }
 
+    /// A payout of 100,000 sats that the worker signs spending the change of `first`'s mined
+    /// original (the lane's only coin): its id, and the original's txid.
+    async fn spending_the_change_of(&self, worker: &BtcWorker, first: i64) -> (i64, Txid) {
+        let second =
+            self.request("w2", &self.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
+        worker.pass().await.unwrap();
+        let parent = self.attempt_of(first, "original").await.compute_txid();
+        assert_eq!(self.reserved_by(second).await, parent.to_string(), "the second spends the first's change");
+        (second, parent)
+    }
+
     /// The coin withdrawal `id`'s transaction reserved (its txid): one coin.
     async fn reserved_by(&self, id: i64) -> String {
         self.value(&format!(
@@ -826,10 +837,7 @@ async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spend
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
     let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
-    let second = p.request("w2", &p.sim.address(AddrKind::P2wpkh, 3), 100_000).await.unwrap().withdrawal.id().get();
-    worker.pass().await.unwrap();
-    let parent = p.attempt_of(first, "original").await.compute_txid();
-    assert_eq!(p.reserved_by(second).await, parent.to_string(), "the second spends the first's change");
+    let (second, parent) = p.spending_the_change_of(&worker, first).await;
 
     // The block with the first is replaced by empty ones; both wait in the mempool, unmined, until
     // they are old enough to be bumped.
@@ -855,6 +863,39 @@ async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spend
         p.attempt_of(second, "bump").await.compute_txid().to_string(),
         p.load(second).await.tx_hash().unwrap().to_string()
     );
+    p.verify().await;
+}
+
+/// The same for a cancel requested before the reorg: the original mined first, a later payout
+/// spent its change, and the reorg sent the first back to `cancel_requested`. Its cancel waits
+/// while the later payout spends the change (signed, it would take that change away); both are
+/// mined, the original pays the first. Before, the pass signed the cancel at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_requested_before_a_reorg_waits_while_a_later_payout_spends_the_change() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, ..BtcConfig::default() });
+    let first = p.request("w1", &p.sim.address(AddrKind::P2wpkh, 2), 200_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    let (_, requested) = actions::cancel(&mut p.db.pool.get().await.unwrap(), first, "dana").await.unwrap();
+    assert!(requested);
+    // The original is mined before the worker signs the cancel.
+    p.sim.mine_mempool();
+    p.scan().await;
+    worker.pass().await.unwrap();
+    assert_eq!(p.load(first).await.state(), WithdrawalState::Mined);
+    let (second, parent) = p.spending_the_change_of(&worker, first).await;
+
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!((report.unmined, report.cancel_attempts), (1, 0), "{report:?}");
+    assert_eq!(p.load(first).await.state(), WithdrawalState::CancelRequested);
+    p.settle(&[&worker], &[first, second], 8).await;
+    assert_eq!(
+        (p.load(first).await.state(), p.load(second).await.state()),
+        (WithdrawalState::Confirmed, WithdrawalState::Confirmed)
+    );
+    assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(parent.to_string()), "the original paid");
     p.verify().await;
 }
 

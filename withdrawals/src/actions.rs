@@ -162,16 +162,16 @@ pub async fn cancel(
             }
             // A payout a reorg sent back may have its change spent by a later payout of ours: its
             // cancel would take that change away, and the later payout could never be mined.
-            let spent_on: bool = tx
-                .query_one(
-                    "select exists (select 1 from utxo_reservation r
-                                      join btc_spend_payout p on p.withdrawal_id = $1
-                                     where r.chain = 'btc' and r.tx_hash = $2 and r.released_at is null
-                                       and r.spend_id <> p.spend_id)",
-                    &[&id, &w.live_attempt().map(|h| h.to_string())],
-                )
+            let spend: Option<i64> = tx
+                .query_opt("select spend_id from btc_spend_payout where withdrawal_id = $1", &[&id])
                 .await?
-                .get(0);
+                .map(|r| r.get(0));
+            let spent_on = match (spend, w.live_attempt()) {
+                (Some(spend), Some(live)) => {
+                    tx.query_one(crate::btc::SPENT_ON, &[&live.to_string(), &spend]).await?.get::<_, bool>(0)
+                }
+                _ => false,
+            };
             if spent_on {
                 return Err(ActionError::WrongState {
                     id,

@@ -161,6 +161,17 @@ select distinct on (a.spend_id) a.spend_id, a.coin_tx, a.coin_index, s.spending_
  where s.spending_tx <> a.parent_tx
  order by a.spend_id, a.hops, b.height";
 
+/// Whether a spend of ours other than `$2`, with a withdrawal still to be mined, reserves an
+/// output of transaction `$1`: a later spend spends its change. A reservation stays live until an
+/// operator resolves its spend, so one of a spend that can never be mined (in review) does not
+/// count.
+pub(crate) const SPENT_ON: &str = "
+select exists (select 1 from utxo_reservation r
+                where r.chain = 'btc' and r.tx_hash = $1 and r.released_at is null and r.spend_id <> $2
+                  and exists (select 1 from btc_spend_payout p join withdrawal w on w.id = p.withdrawal_id
+                               where p.spend_id = r.spend_id
+                                 and w.state in ('signed', 'broadcast', 'cancel_requested', 'mined')))";
+
 /// A withdrawal still holding its customer's funds and not yet in review: what an alert about its
 /// spend sends to review.
 fn open_holding(w: &Withdrawal) -> bool {
@@ -1178,11 +1189,9 @@ impl BtcWorker {
                 continue;
             }
             let live = w.live_attempt().expect("BUG: a signed withdrawal without a live attempt");
-            if !refused.contains(&spend.id) && Self::has_spender(&client, live, spend.id).await? {
-                // A reorg sent it back with its change already spent by a later spend of ours:
-                // replaced, that change would never exist and the later spend could never be
-                // mined. The later spend's own bump pays for both (child pays for parent).
-                tracing::info!(lane = %lane.lane, tx = %live, "not replaced: a later spend of ours spends its change");
+            // A parent the node refused for its fee is not in its mempool, nor then its child:
+            // bumped all the same.
+            if !refused.contains(&spend.id) && Self::spent_on(&client, lane, live, spend.id, "a bump").await? {
                 continue;
             }
             let attempt = Self::attempt(&client, live).await?;
@@ -1237,17 +1246,28 @@ impl BtcWorker {
         Ok(())
     }
 
-    /// Whether a live reservation of another spend than `spend` holds an output of `tx`: a later
-    /// spend of ours spends its change.
-    async fn has_spender(client: &deadpool_postgres::Object, tx: TxHash, spend: i64) -> Result<bool, WorkError> {
-        Ok(client
-            .query_one(
-                "select exists (select 1 from utxo_reservation
-                                 where chain = 'btc' and tx_hash = $1 and released_at is null and spend_id <> $2)",
-                &[&tx.to_string(), &spend],
-            )
-            .await?
-            .get(0))
+    /// Whether a later spend of ours still to be mined spends an output of `tx` (the change of
+    /// `spend`'s live attempt): see [`SPENT_ON`].
+    async fn has_spender<C: GenericClient>(client: &C, tx: TxHash, spend: i64) -> Result<bool, WorkError> {
+        Ok(client.query_one(SPENT_ON, &[&tx.to_string(), &spend]).await?.get(0))
+    }
+
+    /// Skips replacing `spend`'s live attempt `live` (a bump or a cancel) while a later spend of
+    /// ours spends its change: replaced, that change would never exist and the later spend could
+    /// never be mined. A reorg sends a payout back with its change already spent; the later
+    /// spend's own bump pays for both (child pays for parent).
+    async fn spent_on<C: GenericClient>(
+        client: &C,
+        lane: &Lane<BtcAddress>,
+        live: TxHash,
+        spend: i64,
+        what: &str,
+    ) -> Result<bool, WorkError> {
+        let spent = Self::has_spender(client, live, spend).await?;
+        if spent {
+            tracing::info!(lane = %lane.lane, tx = %live, "{what} waits: a later spend of ours spends its change");
+        }
+        Ok(spent)
     }
 
     /// Records a replacement of `live` under the lane lock, if every withdrawal of the spend still
@@ -1284,6 +1304,10 @@ impl BtcWorker {
                 return Ok(false);
             }
             locked.push(w);
+        }
+        // Again under the lane's lock, which every allocation reserving coins holds.
+        if Self::spent_on(&tx, lane, live, spend.id, "a replacement").await? {
+            return Ok(false);
         }
         if let Some((index, address)) = &new_change {
             if *index != next {
@@ -1334,7 +1358,7 @@ impl BtcWorker {
             let w = sql::load(&client, spend.withdrawals[0]).await?.expect("BUG: a listed withdrawal has no events");
             let Some(live) = w.live_attempt() else { continue };
             let attempt = Self::attempt(&client, live).await?;
-            if attempt.kind == AttemptKind::Cancel {
+            if attempt.kind == AttemptKind::Cancel || Self::spent_on(&client, lane, live, spend.id, "a cancel").await? {
                 continue;
             }
             let original: Transaction = deserialize(&attempt.raw).expect("BUG: stored bytes do not decode");
@@ -1472,6 +1496,43 @@ mod tests {
         let lane: i64 =
             client.query_one("select count(*) from btc_lane_coin where lane = 'b0'", &[]).await.unwrap().get(0);
         assert_eq!(lane, 5, "the lane's own outputs, and only those");
+    }
+
+    /// A later spend holds its parent's replacement back only while it can still be mined: one in
+    /// review (it lost an input, or a coin of it was spent outside) keeps its reservation until an
+    /// operator resolves it, and must not keep the parent from a bump or a cancel meanwhile.
+    #[tokio::test]
+    async fn a_parents_change_counts_as_spent_only_by_a_spend_still_to_be_mined() {
+        let (db, key) = lane_b0(4).await;
+        let destination = key.change_address(7).to_string();
+        let parent = format!("{:064x}", 0xaa_u64);
+        let owner = db.owner_client().await;
+        owner
+            .batch_execute(&format!(
+                "insert into withdrawal (id, external_id, chain, asset, destination, amount, state, lane, last_seq)
+                 values (1, 'parent', 'btc', 'BTC', '{destination}', 10000, 'broadcast', 'b0', 3),
+                        (2, 'child', 'btc', 'BTC', '{destination}', 10000, 'broadcast', 'b0', 3);
+                 insert into btc_spend (id, lane) values (1, 'b0'), (2, 'b0');
+                 insert into btc_spend_payout (spend_id, withdrawal_id, output_index, weight) values (1, 1, 0, 124), (2, 2, 0, 124);
+                 insert into utxo_reservation (tx_hash, output_index, spend_id, amount, change_index)
+                 values ('{:064x}', 0, 1, 50000, null), ('{parent}', 1, 2, 20000, 0);",
+                0xbb_u64
+            ))
+            .await
+            .unwrap();
+        let client = db.client().await;
+        let spent = |spend: i64| {
+            let (client, parent) = (&client, parent.clone());
+            async move { client.query_one(SPENT_ON, &[&parent, &spend]).await.unwrap().get::<_, bool>(0) }
+        };
+        assert!(spent(1).await, "the child, broadcast, spends the parent's change");
+        assert!(!spent(2).await, "a spend's own reservations do not count");
+        owner.batch_execute("update withdrawal set state = 'needs_review' where id = 2").await.unwrap();
+        assert!(!spent(1).await, "a child in review can never be mined");
+        owner.batch_execute("update withdrawal set state = 'mined' where id = 2").await.unwrap();
+        assert!(spent(1).await);
+        owner.batch_execute("update utxo_reservation set released_at = now() where spend_id = 2").await.unwrap();
+        assert!(!spent(1).await, "a released reservation holds nothing");
     }
 
     #[test]

@@ -108,6 +108,7 @@ impl Worker {
             .collect();
         let receipts = self.node.receipts(&hashes).await?;
         let mut settled = Vec::new();
+        let mut reviews = Vec::new();
         for (w, receipt) in mined.into_iter().zip(receipts) {
             let attempts_of_this = mined_attempts.next().expect("BUG: one attempt list per withdrawal");
             let id = w.id();
@@ -138,9 +139,8 @@ impl Worker {
             let attempts = attempts_of_this;
             let mined = attempts.iter().find(|a| a.tx_hash == tx_hash).expect("BUG: mined an attempt we do not hold");
             let event = outcome(&w, address, mined, &receipt, mined_in);
-            if let WithdrawalEvent::NeedsReview { reason } = &event {
-                let pause = "a mined attempt pays something no intent of its withdrawal asked for";
-                self.review(lane, id.get(), still_mined_there, reason, pause, false, report).await?;
+            if let WithdrawalEvent::NeedsReview { reason } = event {
+                reviews.push((id.get(), still_mined_there, reason));
                 continue;
             }
             let short_paid = matches!(&event, WithdrawalEvent::FailedOnchain { .. }) && receipt.success;
@@ -153,6 +153,11 @@ impl Worker {
         let (recordings, outcomes): (Vec<_>, Vec<_>) =
             settled.into_iter().map(|(recording, event, short_paid)| (recording, (event, short_paid))).unzip();
         let recorded = super::record_all(&self.pool, recordings).await?;
+        // Each with its lane's pause; after the others, which a failure here must not hold up.
+        for (id, still, reason) in reviews {
+            let pause = "a mined attempt pays something no intent of its withdrawal asked for";
+            self.review(lane, id, still, &reason, pause, false, report).await?;
+        }
         for ((event, short_paid), done) in outcomes.into_iter().zip(recorded) {
             if !done {
                 continue;
