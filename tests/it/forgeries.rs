@@ -23,18 +23,22 @@ fn names(db: &TestDb, check: &str, needle: &str) -> Vec<Value> {
     differences
 }
 
+/// Facts of the history without a seal.
+async fn unsealed(client: &deadpool_postgres::Object) -> i64 {
+    client
+        .query_one("select count(*) from audit_event a where not exists (select 1 from fact_seal s where s.position = a.position)", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Seals until every fact of the history is sealed (the horizon is cluster-wide: a transaction
 /// running in another test's database holds it back for a moment).
 async fn sealed_all(db: &TestDb) {
     custodian_testkit::eventually("every fact sealed", std::time::Duration::from_secs(30), || async {
         let client = db.pool.get().await.unwrap();
         custodian_projections::seals::seal(&client).await.unwrap();
-        let unsealed: i64 = client
-            .query_one("select count(*) from audit_event a where not exists (select 1 from fact_seal s where s.position = a.position)", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (unsealed == 0).then_some(())
+        (unsealed(&client).await == 0).then_some(())
     })
     .await;
 }
@@ -204,4 +208,66 @@ async fn a_balance_row_the_request_path_reads_that_disagrees_with_the_postings_i
     assert_eq!(balance, "3000000", "kept by the postings' own transaction");
     owner_runs(&db, "update user_balance set balance = balance + 500000000 where asset = 'BTC'").await;
     names(&db, "user balances", "user_balance says 503000000, the postings sum to 3000000");
+}
+
+/// The seals written in one statement (V17) are the ones V7's loop wrote fact by fact: the same
+/// digests and the same chain, continued from the last seal across batches of any size. Checked
+/// against that loop itself, run over the same history (withdrawal events and ledger transfers
+/// with their postings) into a table of its own.
+#[tokio::test]
+async fn seals_written_in_batches_are_the_chain_the_fact_by_fact_loop_computes() {
+    let db = TestDb::new().await;
+    let owner = db.owner_client().await;
+    for n in 0..3 {
+        let account: i64 = owner
+            .query_one("insert into account (external_ref) values ($1) returning id", &[&format!("seal-{n}")])
+            .await
+            .unwrap()
+            .get(0);
+        custodian_testkit::fixtures::credit_eth(&owner, account, n, 1_000 + u128::from(n)).await;
+    }
+    owner_runs(
+        &db,
+        "insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+         select n / 5, n % 5 + 1, 'signed', jsonb_build_object('tx_hash', lpad(to_hex(n), 64, '0'), 'nonce', n)
+           from generate_series(5, 204) n;",
+    )
+    .await;
+    // Batches of 7: the chain is carried from one statement to the next.
+    custodian_testkit::eventually("every fact sealed", std::time::Duration::from_secs(30), || async {
+        let client = db.pool.get().await.unwrap();
+        while client.query_one("select seal_facts(7)", &[]).await.unwrap().get::<_, i32>(0) == 7 {}
+        (unsealed(&client).await == 0).then_some(())
+    })
+    .await;
+    owner_runs(
+        &db,
+        "create table expected_seal (position bigint, digest bytea, chain_hash bytea);
+         do $$
+         declare
+             previous bytea := sha256(''::bytea);
+             fact record;
+             digest bytea;
+         begin
+             for fact in select a.position, a.kind, a.payload from audit_event a order by a.xid, a.position loop
+                 digest := fact_digest(fact.kind, fact.position, fact.payload);
+                 previous := sha256(previous || digest);
+                 insert into expected_seal values (fact.position, digest, previous);
+             end loop;
+         end $$;",
+    )
+    .await;
+    let compared = owner
+        .query_one(
+            "select count(*), count(*) filter (where s.digest is distinct from e.digest
+                                                  or s.chain_hash is distinct from e.chain_hash)
+               from expected_seal e full join fact_seal s using (position)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (facts, differing): (i64, i64) = (compared.get(0), compared.get(1));
+    assert!(facts > 200, "the history holds the events and the transfers: {facts}");
+    assert_eq!(differing, 0, "seals differing from the loop's");
+    assert!(custodian_projections::seals::broken(&db.pool.get().await.unwrap()).await.unwrap().is_empty());
 }
