@@ -829,9 +829,10 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
 /// replaced when it ages: its replacement would take that change away from the next payout, which
 /// could then never be mined (an alert, a paused lane and a customer asked to request again, all
 /// of our own making). The next payout's bump, which spends the same change, pays for both (child
-/// pays for parent), and both are mined and confirmed; a cancel of the first is refused for the
-/// same reason. Before, the first was bumped, the node dropped the second with it, and once the
-/// bump was mined the second went to review.
+/// pays for parent: with the market risen to 20 sat/vB, the two pay about 20 sat/vB together, where
+/// a bump priced on its own size left them at 10.5), and both are mined and confirmed; a cancel of
+/// the first is refused for the same reason. Before, the first was bumped, the node dropped the
+/// second with it, and once the bump was mined the second went to review.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spender() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
@@ -848,12 +849,26 @@ async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spend
     let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), first, "dana").await.unwrap_err();
     assert!(refused.to_string().contains("later payout of ours spends"), "{refused}");
     assert_eq!(p.load(first).await.state(), WithdrawalState::Broadcast);
+    // Meanwhile the market rose to 20 sat/vB: the second's bump pays for both at that rate.
+    p.sim.set_fee_rate(Some(20));
     p.sim.mine_empty(1);
     p.scan().await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1, "{report:?}");
     assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(parent.to_string()), "the first as it was");
     assert!(p.sim.mempool().contains(&parent));
+    let package: Vec<u64> = p
+        .value(&format!(
+            "select sum(fee)::text || ' ' || sum(vsize)::text from btc_attempt
+              where tx_hash = '{parent}' or tx_hash = '{}'",
+            p.attempt_of(second, "bump").await.compute_txid()
+        ))
+        .await
+        .split(' ')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    // About 20 sat/vB: a replacement's size is estimated before it is signed.
+    assert!(package[0] >= 19 * package[1], "the two pay {} sats for {} vB: below 20 sat/vB", package[0], package[1]);
     p.settle(&[&worker], &[first, second], 8).await;
     assert_eq!(
         (p.load(first).await.state(), p.load(second).await.state()),

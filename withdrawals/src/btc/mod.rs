@@ -172,6 +172,15 @@ select exists (select 1 from utxo_reservation r
                                where p.spend_id = r.spend_id
                                  and w.state in ('signed', 'broadcast', 'cancel_requested', 'mined')))";
 
+/// The fee and size of each transaction of ours whose output spend `$1` reserves and that is not
+/// mined on the canonical chain (none of its inputs is spent there by it).
+const UNMINED_PARENTS: &str = "
+select a.fee, a.vsize from btc_attempt a
+ where a.tx_hash in (select r.tx_hash from utxo_reservation r where r.spend_id = $1 and r.released_at is null)
+   and not exists (select 1 from output_spend s
+                     join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+                    where s.chain = 'btc' and s.spending_tx = a.tx_hash)";
+
 /// A withdrawal still holding its customer's funds and not yet in review: what an alert about its
 /// spend sends to review.
 fn open_holding(w: &Withdrawal) -> bool {
@@ -1200,7 +1209,12 @@ impl BtcWorker {
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight =
                 tx::tx_weight(replacement.input.len(), replacement.output.iter().map(|o| o.script_pubkey.len()));
-            let priced = self.replacement_fee(&attempt, weight, rate);
+            let priced = match self.replacement_fee(&attempt, weight, rate) {
+                Some((fee, chosen)) => {
+                    Some((fee.saturating_add(Self::parents_shortfall(&client, spend.id, chosen).await?), chosen))
+                }
+                None => None,
+            };
             let raised = priced.and_then(|(fee, _)| {
                 let change = attempt.change_output?;
                 let left = replacement.output[change].value.to_sat().checked_sub(fee - attempt.fee)?;
@@ -1244,6 +1258,23 @@ impl BtcWorker {
             }
         }
         Ok(())
+    }
+
+    /// Child pays for parent: what `spend`'s unmined parents (our transactions whose change it
+    /// spends, not mined on the canonical chain: a reorg sent them back) pay below `rate` for
+    /// their own size, so that a replacement of `spend` paying this much more brings the two,
+    /// as a miner weighs them, to `rate`. Direct parents only.
+    async fn parents_shortfall(
+        client: &deadpool_postgres::Object,
+        spend: i64,
+        rate: FeeRate,
+    ) -> Result<u64, WorkError> {
+        let rows = client.query(UNMINED_PARENTS, &[&spend]).await?;
+        Ok(rows.iter().fold(0u64, |short, r| {
+            let (fee, vsize): (U256, i32) = (r.get(0), r.get(1));
+            let owed = rate.fee(u64::try_from(vsize).expect("BUG: a negative vsize") * 4);
+            short.saturating_add(owed.saturating_sub(sat(&fee)))
+        }))
     }
 
     /// Whether a later spend of ours still to be mined spends an output of `tx` (the change of
