@@ -143,16 +143,17 @@ pub async fn cancel(
         }
         WithdrawalState::Signed | WithdrawalState::Broadcast => {
             // A BTC cancel replaces the whole transaction: inside a batch it would cancel the
-            // other withdrawals too, so it is refused and the batch stands.
-            let batch: i64 = tx
-                .query_one(
-                    "select count(*) from btc_spend_payout
-                      where spend_id = (select spend_id from btc_spend_payout where withdrawal_id = $1)",
+            // other withdrawals too, so it is refused and the batch stands. Its spend and how many
+            // withdrawals that spend pays, if it is one (ETH: none).
+            let spend: Option<(i64, i64)> = tx
+                .query_opt(
+                    "select p.spend_id, (select count(*) from btc_spend_payout q where q.spend_id = p.spend_id)
+                       from btc_spend_payout p where p.withdrawal_id = $1",
                     &[&id],
                 )
                 .await?
-                .get(0);
-            if batch > 1 {
+                .map(|r| (r.get(0), r.get(1)));
+            if spend.is_some_and(|(_, batch)| batch > 1) {
                 return Err(ActionError::WrongState {
                     id,
                     state: w.state().as_str(),
@@ -162,12 +163,8 @@ pub async fn cancel(
             }
             // A payout a reorg sent back may have its change spent by a later payout of ours: its
             // cancel would take that change away, and the later payout could never be mined.
-            let spend: Option<i64> = tx
-                .query_opt("select spend_id from btc_spend_payout where withdrawal_id = $1", &[&id])
-                .await?
-                .map(|r| r.get(0));
             let spent_on = match (spend, w.live_attempt()) {
-                (Some(spend), Some(live)) => {
+                (Some((spend, _)), Some(live)) => {
                     tx.query_one(crate::btc::SPENT_ON, &[&live.to_string(), &spend]).await?.get::<_, bool>(0)
                 }
                 _ => false,

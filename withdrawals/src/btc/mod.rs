@@ -1277,14 +1277,8 @@ impl BtcWorker {
         }))
     }
 
-    /// Whether a later spend of ours still to be mined spends an output of `tx` (the change of
-    /// `spend`'s live attempt): see [`SPENT_ON`].
-    async fn has_spender<C: GenericClient>(client: &C, tx: TxHash, spend: i64) -> Result<bool, WorkError> {
-        Ok(client.query_one(SPENT_ON, &[&tx.to_string(), &spend]).await?.get(0))
-    }
-
     /// Skips replacing `spend`'s live attempt `live` (a bump or a cancel) while a later spend of
-    /// ours spends its change: replaced, that change would never exist and the later spend could
+    /// ours spends its change ([`SPENT_ON`]): replaced, that change would never exist and the later spend could
     /// never be mined. A reorg sends a payout back with its change already spent; the later
     /// spend's own bump pays for both (child pays for parent).
     async fn spent_on<C: GenericClient>(
@@ -1294,7 +1288,7 @@ impl BtcWorker {
         spend: i64,
         what: &str,
     ) -> Result<bool, WorkError> {
-        let spent = Self::has_spender(client, live, spend).await?;
+        let spent: bool = client.query_one(SPENT_ON, &[&live.to_string(), &spend]).await?.get(0);
         if spent {
             tracing::info!(lane = %lane.lane, tx = %live, "{what} waits: a later spend of ours spends its change");
         }

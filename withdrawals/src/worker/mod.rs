@@ -306,6 +306,11 @@ pub(crate) async fn record_together(pool: &Pool, items: Vec<Recording>) -> Resul
     Ok(record_together_pausing(pool, items, None).await?.0)
 }
 
+/// The pause reason of a lane whose key was used outside the service.
+fn resync_first(reason: &str) -> String {
+    format!("{reason}; resync the lane before resuming it")
+}
+
 /// A lane to pause in the same transaction as the alert that calls for it: the withdrawals an
 /// alert sends to review and the pause that stops their lane are written together or not at all.
 /// Written one after the other, a stop in between would leave the lane paying on (its key perhaps
@@ -568,11 +573,7 @@ impl Worker {
         let pause = Pause {
             chain: "eth",
             lane: lane.lane.as_str(),
-            reason: if needs_resync {
-                format!("{pause}; resync the lane before resuming it")
-            } else {
-                pause.to_owned()
-            },
+            reason: if needs_resync { resync_first(pause) } else { pause.to_owned() },
             needs_resync,
         };
         let (recorded, paused) = record_together_pausing(&self.pool, vec![item], Some(&pause)).await?;
@@ -590,7 +591,7 @@ impl Worker {
 
     /// Pauses a lane whose key was used outside the service: it resumes only after a resync.
     async fn pause_for_resync(&self, lane: &Lane, reason: &str, report: &mut PassReport) -> Result<(), WorkError> {
-        self.pause_lane(lane, &format!("{reason}; resync the lane before resuming it"), true, report).await
+        self.pause_lane(lane, &resync_first(reason), true, report).await
     }
 
     async fn pause_lane(
