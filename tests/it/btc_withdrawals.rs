@@ -140,7 +140,9 @@ use std::sync::Arc;
 
 use bitcoin::{Address, Amount as Sats, OutPoint, Transaction, Txid};
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
-use custodian_domain::{AccountId, Asset, BtcAddress, BtcNetwork, Chain, ChainAddress, ExternalId, WithdrawalId};
+use custodian_domain::{
+    AccountId, Asset, BtcAddress, BtcNetwork, Chain, ChainAddress, ExternalId, TxHash, WithdrawalId,
+};
 use custodian_testkit::btcsim::AddrKind;
 use custodian_testkit::db::column;
 use custodian_withdrawals::btc::node::BtcNode;
@@ -857,18 +859,9 @@ async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spend
     assert_eq!(report.bumped, 1, "{report:?}");
     assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(parent.to_string()), "the first as it was");
     assert!(p.sim.mempool().contains(&parent));
-    let package: Vec<u64> = p
-        .value(&format!(
-            "select sum(fee)::text || ' ' || sum(vsize)::text from btc_attempt
-              where tx_hash = '{parent}' or tx_hash = '{}'",
-            p.attempt_of(second, "bump").await.compute_txid()
-        ))
-        .await
-        .split(' ')
-        .map(|n| n.parse().unwrap())
-        .collect();
+    let (fees, vsize) = package(&p, &[parent, p.attempt_of(second, "bump").await.compute_txid()]).await;
     // About 20 sat/vB: a replacement's size is estimated before it is signed.
-    assert!(package[0] >= 19 * package[1], "the two pay {} sats for {} vB: below 20 sat/vB", package[0], package[1]);
+    assert!(fees >= 19 * vsize, "the two pay {fees} sats for {vsize} vB: below 20 sat/vB");
     p.settle(&[&worker], &[first, second], 8).await;
     assert_eq!(
         (p.load(first).await.state(), p.load(second).await.state()),
@@ -877,6 +870,98 @@ async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spend
     assert_eq!(
         p.attempt_of(second, "bump").await.compute_txid().to_string(),
         p.load(second).await.tx_hash().unwrap().to_string()
+    );
+    p.verify().await;
+}
+
+/// What the transactions `txids` pay together and their size: fees in sats, vsize in vB.
+async fn package(p: &Payouts, txids: &[Txid]) -> (u64, u64) {
+    let listed: Vec<String> = txids.iter().map(|t| format!("'{t}'")).collect();
+    let both: Vec<u64> = p
+        .value(&format!(
+            "select sum(fee)::text || ' ' || sum(vsize)::text from btc_attempt where tx_hash in ({})",
+            listed.join(", ")
+        ))
+        .await
+        .split(' ')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    (both[0], both[1])
+}
+
+/// Child pays for every unmined ancestor, not its parent alone: three payouts in a chain of
+/// change (each spends the one before's), a reorg sends the first two back, and the market rises
+/// to 20 sat/vB. Neither of the two is replaced (a later payout spends each one's change); the
+/// third's bump pays for all three, about 20 sat/vB together, and all three are mined and
+/// confirmed. Before, the bump paid for its parent alone and left the grandparent's shortfall:
+/// the three paid 5,776 sats for 423 vB (13.7 sat/vB); now 8,455.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bump_pays_for_every_unmined_ancestor_whose_change_it_spends() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
+    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
+    let second = p.mined_payout(&worker, "w2", 3, 100_000).await;
+    let third = p.request("w3", &p.sim.address(AddrKind::P2wpkh, 4), 50_000).await.unwrap().withdrawal.id().get();
+    worker.pass().await.unwrap();
+    let (grandparent, parent) =
+        (p.attempt_of(first, "original").await.compute_txid(), p.attempt_of(second, "original").await.compute_txid());
+    assert_eq!(p.reserved_by(second).await, grandparent.to_string(), "the second spends the first's change");
+    assert_eq!(p.reserved_by(third).await, parent.to_string(), "the third spends the second's change");
+
+    // The blocks of the first two are replaced by empty ones: all three wait in the mempool.
+    p.sim.reorg(2, &[vec![], vec![], vec![]]);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().unmined, 2);
+    p.sim.set_fee_rate(Some(20));
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.bumped, 1, "the third alone: {report:?}");
+    assert_eq!(
+        (p.load(first).await.tx_hash(), p.load(second).await.tx_hash()),
+        (Some(TxHash::Btc(grandparent)), Some(TxHash::Btc(parent))),
+        "the first two as they were"
+    );
+    let bump = p.attempt_of(third, "bump").await.compute_txid();
+    let (fees, vsize) = package(&p, &[grandparent, parent, bump]).await;
+    // About 20 sat/vB: a replacement's size is estimated before it is signed.
+    assert!(fees >= 19 * vsize, "the three pay {fees} sats for {vsize} vB: below 20 sat/vB");
+    p.settle(&[&worker], &[first, second, third], 8).await;
+    for id in [first, second, third] {
+        assert_eq!(p.load(id).await.state(), WithdrawalState::Confirmed, "withdrawal {id}");
+    }
+    assert_eq!(p.load(third).await.tx_hash(), Some(TxHash::Btc(bump)));
+    p.verify().await;
+}
+
+/// A cancel spends what its payout spent, so it needs the payout's unmined parent mined as much:
+/// it pays for the parent too. With the market risen to 20 sat/vB after a reorg sent the parent
+/// back, the cancel of the payout spending its change brings the two to about 20 sat/vB, and the
+/// parent's withdrawal is confirmed and the cancelled one's hold released. Before, the cancel was
+/// priced on its own size: the two paid 2,336 sats for 251 vB (9.3 sat/vB); now 5,015.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_of_a_payout_spending_an_unmined_parents_change_pays_for_the_parent() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 100, ..BtcConfig::default() });
+    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
+    let (second, parent) = p.spending_the_change_of(&worker, first).await;
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().unmined, 1);
+    p.sim.set_fee_rate(Some(20));
+    p.sim.mine_empty(1);
+    p.scan().await;
+    let (_, requested) = actions::cancel(&mut p.db.pool.get().await.unwrap(), second, "dana").await.unwrap();
+    assert!(requested);
+    let report = worker.pass().await.unwrap();
+    assert_eq!(report.cancel_attempts, 1, "{report:?}");
+    let cancel = p.attempt_of(second, "cancel").await.compute_txid();
+    let (fees, vsize) = package(&p, &[parent, cancel]).await;
+    assert!(fees >= 19 * vsize, "the two pay {fees} sats for {vsize} vB: below 20 sat/vB");
+    p.settle(&[&worker], &[first, second], 8).await;
+    assert_eq!(
+        (p.load(first).await.state(), p.load(second).await.state()),
+        (WithdrawalState::Confirmed, WithdrawalState::Cancelled)
     );
     p.verify().await;
 }

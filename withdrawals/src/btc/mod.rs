@@ -172,14 +172,30 @@ select exists (select 1 from utxo_reservation r
                                where p.spend_id = r.spend_id
                                  and w.state in ('signed', 'broadcast', 'cancel_requested', 'mined')))";
 
-/// The fee and size of each transaction of ours whose output spend `$1` reserves and that is not
-/// mined on the canonical chain (none of its inputs is spent there by it).
-const UNMINED_PARENTS: &str = "
-select a.fee, a.vsize from btc_attempt a
- where a.tx_hash in (select r.tx_hash from utxo_reservation r where r.spend_id = $1 and r.released_at is null)
-   and not exists (select 1 from output_spend s
-                     join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
-                    where s.chain = 'btc' and s.spending_tx = a.tx_hash)";
+/// The fee and size of each transaction of ours that spend `$1` needs mined first and that is not
+/// mined on the canonical chain (none of its inputs is spent there by it): those whose outputs it
+/// reserves, and, through each of these in turn, those whose outputs they reserve, any number of
+/// generations up (at most 16), stopping at a transaction mined canonically. Each once.
+const UNMINED_ANCESTORS: &str = "
+with recursive ancestor (tx_hash, spend_id, fee, vsize, hops) as (
+    select a.tx_hash, a.spend_id, a.fee, a.vsize, 1
+      from utxo_reservation r
+      join btc_attempt a on a.tx_hash = r.tx_hash
+     where r.spend_id = $1 and r.released_at is null
+       and not exists (select 1 from output_spend s
+                         join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+                        where s.chain = 'btc' and s.spending_tx = a.tx_hash)
+  union
+    select a.tx_hash, a.spend_id, a.fee, a.vsize, d.hops + 1
+      from ancestor d
+      join utxo_reservation r on r.spend_id = d.spend_id and r.released_at is null
+      join btc_attempt a on a.tx_hash = r.tx_hash
+     where d.hops < 16
+       and not exists (select 1 from output_spend s
+                         join chain_block b on b.chain = 'btc' and b.block_hash = s.block_hash and b.orphaned_at is null
+                        where s.chain = 'btc' and s.spending_tx = a.tx_hash)
+)
+select distinct tx_hash, fee, vsize from ancestor";
 
 /// A withdrawal still holding its customer's funds and not yet in review: what an alert about its
 /// spend sends to review.
@@ -1209,12 +1225,7 @@ impl BtcWorker {
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight =
                 tx::tx_weight(replacement.input.len(), replacement.output.iter().map(|o| o.script_pubkey.len()));
-            let priced = match self.replacement_fee(&attempt, weight, rate) {
-                Some((fee, chosen)) => {
-                    Some((fee.saturating_add(Self::parents_shortfall(&client, spend.id, chosen).await?), chosen))
-                }
-                None => None,
-            };
+            let priced = self.replacement_fee_with_ancestors(&client, spend.id, &attempt, weight, rate).await?;
             let raised = priced.and_then(|(fee, _)| {
                 let change = attempt.change_output?;
                 let left = replacement.output[change].value.to_sat().checked_sub(fee - attempt.fee)?;
@@ -1260,21 +1271,40 @@ impl BtcWorker {
         Ok(())
     }
 
-    /// Child pays for parent: what `spend`'s unmined parents (our transactions whose change it
-    /// spends, not mined on the canonical chain: a reorg sent them back) pay below `rate` for
-    /// their own size, so that a replacement of `spend` paying this much more brings the two,
-    /// as a miner weighs them, to `rate`. Direct parents only.
-    async fn parents_shortfall(
+    /// Child pays for parent: what `spend`'s unmined ancestors (our transactions whose change it
+    /// spends, and theirs in turn, not mined on the canonical chain: a reorg sent them back) pay
+    /// below `rate` for their own size, so that a replacement of `spend` paying this much more
+    /// brings them all, as a miner weighs a transaction with its unconfirmed ancestors, to `rate`.
+    /// A bump and a cancel alike: both spend what `spend` spends.
+    async fn ancestors_shortfall(
         client: &deadpool_postgres::Object,
         spend: i64,
         rate: FeeRate,
     ) -> Result<u64, WorkError> {
-        let rows = client.query(UNMINED_PARENTS, &[&spend]).await?;
+        let rows = client.query(UNMINED_ANCESTORS, &[&spend]).await?;
         Ok(rows.iter().fold(0u64, |short, r| {
-            let (fee, vsize): (U256, i32) = (r.get(0), r.get(1));
+            let (fee, vsize): (U256, i32) = (r.get(1), r.get(2));
             let owed = rate.fee(u64::try_from(vsize).expect("BUG: a negative vsize") * 4);
             short.saturating_add(owed.saturating_sub(sat(&fee)))
         }))
+    }
+
+    /// [`Self::replacement_fee`] plus what `spend`'s unmined ancestors owe at the rate chosen
+    /// ([`Self::ancestors_shortfall`]): the fee of a replacement of `attempt` weighing `weight`.
+    async fn replacement_fee_with_ancestors(
+        &self,
+        client: &deadpool_postgres::Object,
+        spend: i64,
+        attempt: &StoredAttempt,
+        weight: u64,
+        rate: FeeRate,
+    ) -> Result<Option<(u64, FeeRate)>, WorkError> {
+        Ok(match self.replacement_fee(attempt, weight, rate) {
+            Some((fee, chosen)) => {
+                Some((fee.saturating_add(Self::ancestors_shortfall(client, spend, chosen).await?), chosen))
+            }
+            None => None,
+        })
     }
 
     /// Skips replacing `spend`'s live attempt `live` (a bump or a cancel) while a later spend of
@@ -1390,7 +1420,7 @@ impl BtcWorker {
             let prevouts = Self::reserved(&client, spend.id, &original).await?;
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight = tx::tx_weight(original.input.len(), [P2WPKH_SCRIPT_LEN]);
-            let priced = self.replacement_fee(&attempt, weight, rate);
+            let priced = self.replacement_fee_with_ancestors(&client, spend.id, &attempt, weight, rate).await?;
             let Some((fee, _)) = priced.filter(|(fee, _)| inputs.saturating_sub(*fee) >= CHANGE_DUST) else {
                 tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap; the original stands");
                 metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
