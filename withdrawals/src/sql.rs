@@ -249,6 +249,85 @@ async fn post_entailed(
     Ok(())
 }
 
+/// [`append`] for many streams at once: their events, projection rows and ledger transfers each
+/// written by one statement for all of them, as a table's CHECK expressions are prepared once per
+/// statement and each statement costs a round trip. Event by event they took about a millisecond
+/// a withdrawal: a burst's 1,000 settlements a lane, over a second each time a block settles them.
+#[derive(Default)]
+pub(crate) struct Appended {
+    ids: Vec<i64>,
+    seqs: Vec<i32>,
+    types: Vec<&'static str>,
+    payloads: Vec<serde_json::Value>,
+    states: Vec<&'static str>,
+    from_addresses: Vec<Option<String>>,
+    nonces: Vec<Option<i64>>,
+    tx_hashes: Vec<Option<String>>,
+    mined_block_hashes: Vec<Option<String>>,
+    last_seqs: Vec<i32>,
+    stuck_at_cap: Vec<bool>,
+    transfers: Vec<ledger::Transfer>,
+}
+
+/// The projection rows of [`Appended`], each updated with what [`UPSERT`] sets on a row that
+/// exists: $1 ids, $2..$8 the columns.
+const UPDATE_MANY: &str = "
+update withdrawal w set state = n.state, from_address = n.from_address, nonce = n.nonce, tx_hash = n.tx_hash,
+       mined_block_hash = n.mined_block_hash, last_seq = n.last_seq, stuck_at_cap = n.stuck_at_cap, updated_at = now()
+  from unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[], $7::int[], $8::bool[])
+       as n (id, state, from_address, nonce, tx_hash, mined_block_hash, last_seq, stuck_at_cap)
+ where w.id = any($1) and w.id = n.id";
+
+/// The events of [`Appended`], each the next of its stream (the primary key refuses another).
+const INSERT_MANY: &str = "
+insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
+select * from unnest($1::bigint[], $2::int[], $3::text[], $4::jsonb[])";
+
+impl Appended {
+    /// Appends `event` to `w` (read under its row's lock, which the caller holds) and applies it.
+    pub(crate) fn push(&mut self, w: &mut Withdrawal, event: &WithdrawalEvent) {
+        self.ids.push(w.id().get());
+        self.seqs.push(w.last_seq() + 1);
+        self.types.push(event.event_type());
+        self.payloads.push(event.payload());
+        w.apply(event);
+        let p = projection_params(w);
+        self.states.push(p.state);
+        self.from_addresses.push(p.from_address);
+        self.nonces.push(p.nonce);
+        self.tx_hashes.push(p.tx_hash);
+        self.mined_block_hashes.push(p.mined_block_hash);
+        self.last_seqs.push(p.last_seq);
+        self.stuck_at_cap.push(p.stuck_at_cap);
+        self.transfers.extend(entailed(w, event));
+    }
+
+    /// Writes everything pushed, in `tx`.
+    pub(crate) async fn write(&self, tx: &Transaction<'_>) -> Result<(), tokio_postgres::Error> {
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        let (events, projections) = futures::try_join!(tx.prepare_cached(INSERT_MANY), tx.prepare_cached(UPDATE_MANY))?;
+        tx.execute(&events, &[&self.ids, &self.seqs, &self.types, &self.payloads]).await?;
+        tx.execute(
+            &projections,
+            &[
+                &self.ids,
+                &self.states,
+                &self.from_addresses,
+                &self.nonces,
+                &self.tx_hashes,
+                &self.mined_block_hashes,
+                &self.last_seqs,
+                &self.stuck_at_cap,
+            ],
+        )
+        .await?;
+        ledger::write(tx, &self.transfers).await?;
+        Ok(())
+    }
+}
+
 /// The ledger transfers `event` of `w`'s stream entails, booked by the posting rules
 /// ([`posting_rules::entailed`], [`posting_rules::booking`]).
 pub(crate) fn entailed(w: &Withdrawal, event: &WithdrawalEvent) -> Vec<ledger::Transfer> {

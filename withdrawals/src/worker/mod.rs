@@ -24,7 +24,6 @@ use std::sync::Arc;
 use alloy_primitives::U256;
 use custodian_domain::withdrawal::{Withdrawal, WithdrawalEvent, WithdrawalState};
 use custodian_store::Pool;
-use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use tokio::sync::watch;
 
@@ -263,8 +262,6 @@ pub(crate) struct Recording {
 
 /// Events recorded per transaction by [`record_all`].
 const RECORD_BATCH: usize = 500;
-/// Withdrawals whose statements [`record_all`] keeps in flight at once on its connection.
-const RECORD_PIPELINE: usize = 128;
 
 /// [`record`] for many withdrawals at once: one transaction per [`RECORD_BATCH`] of them, their
 /// rows locked in id order (as every writer locks them, so two never wait on each other in a
@@ -342,8 +339,8 @@ pub(crate) async fn record_together_pausing(
 }
 
 /// `items` (sorted by id) recorded in one transaction: their rows locked first, in id order, by
-/// one statement; then each withdrawal's statements in order, different withdrawals' pipelined on
-/// the one connection (their rows, streams and transfers are disjoint). With `pause`, the lane's
+/// one statement; then their streams read by one, and their events, projection rows and ledger
+/// transfers written by one statement each ([`sql::Appended`]). With `pause`, the lane's
 /// row is locked before theirs (the order in which the allocator and the replacements lock them,
 /// so none waits on another in a cycle) and the lane paused if anything was recorded. Whether each
 /// was recorded, in the order given, and whether the lane was paused.
@@ -361,40 +358,31 @@ async fn record_in_one_transaction(
     }
     let ids: Vec<i64> = items.iter().map(|(_, item)| item.id).collect();
     transaction.execute("select 1 from withdrawal where id = any($1) order by id for update", &[&ids]).await?;
-    let tx = &transaction;
-    let pending: Vec<_> = items.iter().enumerate().map(|(at, (_, item))| record_one(tx, at, item)).collect();
-    let done: Vec<Option<(usize, &'static str)>> =
-        futures::stream::iter(pending).buffer_unordered(RECORD_PIPELINE).try_collect().await?;
+    // Read under the locks: each check and each event decided on the stream as it is now.
+    let mut appended = sql::Appended::default();
+    let mut done: Vec<(usize, &'static str)> = Vec::with_capacity(items.len());
+    for (at, ((_, item), w)) in items.iter().zip(sql::load_many(&transaction, &ids).await?).enumerate() {
+        let mut w = w.expect("BUG: recording on a missing withdrawal");
+        if !(item.still)(&w) {
+            continue;
+        }
+        appended.push(&mut w, &item.event);
+        done.push((at, item.event.event_type()));
+    }
+    appended.write(&transaction).await?;
     let paused = match pause {
-        Some(pause) if done.iter().any(Option::is_some) => {
+        Some(pause) if !done.is_empty() => {
             sql::pause_lane_on(&transaction, pause.chain, pause.lane, &pause.reason, pause.needs_resync).await?
         }
         _ => false,
     };
     transaction.commit().await?;
     let mut recorded = vec![false; items.len()];
-    for (at, state) in done.into_iter().flatten() {
+    for (at, state) in done {
         recorded[at] = true;
         metrics::counter!("custodian_withdrawals_total", "state" => state).increment(1);
     }
     Ok((recorded, paused))
-}
-
-/// One withdrawal's part of [`record_all`], inside its transaction: `None` when it no longer
-/// passes its check.
-async fn record_one<'a>(
-    tx: &'a deadpool_postgres::Transaction<'a>,
-    index: usize,
-    item: &'a Recording,
-) -> Result<Option<(usize, &'static str)>, WorkError> {
-    // The row is locked already, by record_all's one statement for the batch.
-    let mut w = sql::load(tx, item.id).await?.expect("BUG: recording on a missing withdrawal");
-    if !(item.still)(&w) {
-        return Ok(None);
-    }
-    let state = item.event.event_type();
-    sql::append(tx, &mut w, item.event.clone()).await?;
-    Ok(Some((index, state)))
 }
 
 /// The worker for every ETH lane it holds a key for.
