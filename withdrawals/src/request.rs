@@ -285,11 +285,6 @@ const CHECK: &str = "select withdrawal_request_check($1, $2, $3, $4)";
 const INSERT_EVENT: &str =
     "insert into withdrawal_event (withdrawal_id, seq, event_type, payload) values ($1, $2, $3, $4)";
 
-/// The first events of new streams, in one statement ([`INSERT_EVENT`]'s columns as arrays).
-const INSERT_EVENTS: &str = "
-insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
-select * from unnest($1::bigint[], $2::int[], $3::text[], $4::jsonb[])";
-
 /// How one try of a request ended.
 enum Tried {
     /// Recorded, returned or refused as a conflict.
@@ -367,7 +362,7 @@ impl Statements {
             client.prepare_cached(LOCK),
             client.prepare_cached(UNDER_LOCK),
             client.prepare_cached(INSERT_EVENT),
-            client.prepare_cached(INSERT_EVENTS),
+            client.prepare_cached(sql::INSERT_EVENTS),
             client.prepare_cached(sql::UPSERT),
             client.prepare_cached(sql::INSERT_NEW),
             client.prepare_cached(ledger::WRITE),
@@ -975,7 +970,7 @@ async fn batch(
     Ok(outcomes)
 }
 
-/// New streams' first events as [`INSERT_EVENTS`]'s columns.
+/// New streams' first events as [`sql::INSERT_EVENTS`]'s columns.
 #[derive(Default)]
 struct NewEvents {
     ids: Vec<i64>,

@@ -278,8 +278,9 @@ update withdrawal w set state = n.state, from_address = n.from_address, nonce = 
        as n (id, state, from_address, nonce, tx_hash, mined_block_hash, last_seq, stuck_at_cap)
  where w.id = any($1) and w.id = n.id";
 
-/// The events of [`Appended`], each the next of its stream (the primary key refuses another).
-const INSERT_MANY: &str = "
+/// Events of many streams in one statement ($1 ids, $2 seqs, $3 types, $4 payloads), each the
+/// next of its stream (the primary key refuses another): [`Appended`]'s, and new streams' first.
+pub(crate) const INSERT_EVENTS: &str = "
 insert into withdrawal_event (withdrawal_id, seq, event_type, payload)
 select * from unnest($1::bigint[], $2::int[], $3::text[], $4::jsonb[])";
 
@@ -307,7 +308,8 @@ impl Appended {
         if self.ids.is_empty() {
             return Ok(());
         }
-        let (events, projections) = futures::try_join!(tx.prepare_cached(INSERT_MANY), tx.prepare_cached(UPDATE_MANY))?;
+        let (events, projections) =
+            futures::try_join!(tx.prepare_cached(INSERT_EVENTS), tx.prepare_cached(UPDATE_MANY))?;
         tx.execute(&events, &[&self.ids, &self.seqs, &self.types, &self.payloads]).await?;
         tx.execute(
             &projections,
