@@ -966,6 +966,42 @@ async fn a_cancel_of_a_payout_spending_an_unmined_parents_change_pays_for_the_pa
     p.verify().await;
 }
 
+/// A second replacement raises what the package pays, not what the first paid on top of its own
+/// size: the payout spending an unmined parent's change is bumped (the two at 20 sat/vB), then
+/// cancelled; the cancel brings the two to 12.5% above that, about 22.5 sat/vB. Before, it was
+/// priced on the bump's own rate, which held the parent's shortfall already, with the shortfall
+/// added again at that rate: the two paid 11,785 sats for 251 vB (47 sat/vB), and each further
+/// replacement compounded it until the fee cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_a_bump_pays_for_the_unmined_parent_once() {
+    let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
+    let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
+    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
+    let (second, parent) = p.spending_the_change_of(&worker, first).await;
+    p.sim.reorg(1, &[vec![], vec![]]);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().unmined, 1);
+    p.sim.set_fee_rate(Some(20));
+    p.sim.mine_empty(1);
+    p.scan().await;
+    assert_eq!(worker.pass().await.unwrap().bumped, 1);
+    let bump = p.attempt_of(second, "bump").await.compute_txid();
+    let (fees, vsize) = package(&p, &[parent, bump]).await;
+    assert!(fees >= 19 * vsize, "the two pay {fees} sats for {vsize} vB: below 20 sat/vB");
+    let (_, requested) = actions::cancel(&mut p.db.pool.get().await.unwrap(), second, "dana").await.unwrap();
+    assert!(requested);
+    assert_eq!(worker.pass().await.unwrap().cancel_attempts, 1);
+    let cancel = p.attempt_of(second, "cancel").await.compute_txid();
+    let (fees, vsize) = package(&p, &[parent, cancel]).await;
+    assert!((22 * vsize..=24 * vsize).contains(&fees), "the two pay {fees} sats for {vsize} vB: not about 22.5 sat/vB");
+    p.settle(&[&worker], &[first, second], 8).await;
+    assert_eq!(
+        (p.load(first).await.state(), p.load(second).await.state()),
+        (WithdrawalState::Confirmed, WithdrawalState::Cancelled)
+    );
+    p.verify().await;
+}
+
 /// The same for a cancel requested before the reorg: the original mined first, a later payout
 /// spent its change, and the reorg sent the first back to `cancel_requested`. Its cancel waits
 /// while the later payout spends the change (signed, it would take that change away); both are

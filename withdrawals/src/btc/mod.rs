@@ -639,11 +639,35 @@ impl BtcWorker {
         Ok(())
     }
 
-    /// [`tx::replacement_fee`] for a replacement of `attempt` weighing `weight`, at least at `rate`,
-    /// with the configured increment and cap.
-    fn replacement_fee(&self, attempt: &StoredAttempt, weight: u64, rate: FeeRate) -> Option<(u64, FeeRate)> {
+    /// [`tx::replacement_fee`] for a replacement of `attempt` (of `spend`) weighing `weight`, at
+    /// least at `rate`, with the configured increment and cap, paying for `spend`'s unmined
+    /// ancestors too ([`UNMINED_ANCESTORS`]: child pays for parent). A bump and a cancel alike:
+    /// both spend what `spend` spends.
+    async fn replacement_fee(
+        &self,
+        client: &deadpool_postgres::Object,
+        spend: i64,
+        attempt: &StoredAttempt,
+        weight: u64,
+        rate: FeeRate,
+    ) -> Result<Option<(u64, FeeRate)>, WorkError> {
+        let ancestors =
+            client.query(UNMINED_ANCESTORS, &[&spend]).await?.iter().fold(tx::Ancestors::default(), |sum, r| {
+                let (fee, vsize): (U256, i32) = (r.get(1), r.get(2));
+                tx::Ancestors {
+                    fee: sum.fee.saturating_add(sat(&fee)),
+                    vsize: sum.vsize.saturating_add(u64::try_from(vsize).expect("BUG: a negative vsize")),
+                }
+            });
         let config = &self.config;
-        tx::replacement_fee(attempt.fee, attempt.vsize, weight, rate, config.incremental_fee_rate, config.max_fee_rate)
+        Ok(tx::replacement_fee(
+            (attempt.fee, attempt.vsize),
+            ancestors,
+            weight,
+            rate,
+            config.incremental_fee_rate,
+            config.max_fee_rate,
+        ))
     }
 
     /// `estimatesmartfee` for the configured target, clamped to the configured floor and cap; the
@@ -1225,7 +1249,7 @@ impl BtcWorker {
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight =
                 tx::tx_weight(replacement.input.len(), replacement.output.iter().map(|o| o.script_pubkey.len()));
-            let priced = self.replacement_fee_with_ancestors(&client, spend.id, &attempt, weight, rate).await?;
+            let priced = self.replacement_fee(&client, spend.id, &attempt, weight, rate).await?;
             let raised = priced.and_then(|(fee, _)| {
                 let change = attempt.change_output?;
                 let left = replacement.output[change].value.to_sat().checked_sub(fee - attempt.fee)?;
@@ -1269,42 +1293,6 @@ impl BtcWorker {
             }
         }
         Ok(())
-    }
-
-    /// Child pays for parent: what `spend`'s unmined ancestors (our transactions whose change it
-    /// spends, and theirs in turn, not mined on the canonical chain: a reorg sent them back) pay
-    /// below `rate` for their own size, so that a replacement of `spend` paying this much more
-    /// brings them all, as a miner weighs a transaction with its unconfirmed ancestors, to `rate`.
-    /// A bump and a cancel alike: both spend what `spend` spends.
-    async fn ancestors_shortfall(
-        client: &deadpool_postgres::Object,
-        spend: i64,
-        rate: FeeRate,
-    ) -> Result<u64, WorkError> {
-        let rows = client.query(UNMINED_ANCESTORS, &[&spend]).await?;
-        Ok(rows.iter().fold(0u64, |short, r| {
-            let (fee, vsize): (U256, i32) = (r.get(1), r.get(2));
-            let owed = rate.fee(u64::try_from(vsize).expect("BUG: a negative vsize") * 4);
-            short.saturating_add(owed.saturating_sub(sat(&fee)))
-        }))
-    }
-
-    /// [`Self::replacement_fee`] plus what `spend`'s unmined ancestors owe at the rate chosen
-    /// ([`Self::ancestors_shortfall`]): the fee of a replacement of `attempt` weighing `weight`.
-    async fn replacement_fee_with_ancestors(
-        &self,
-        client: &deadpool_postgres::Object,
-        spend: i64,
-        attempt: &StoredAttempt,
-        weight: u64,
-        rate: FeeRate,
-    ) -> Result<Option<(u64, FeeRate)>, WorkError> {
-        Ok(match self.replacement_fee(attempt, weight, rate) {
-            Some((fee, chosen)) => {
-                Some((fee.saturating_add(Self::ancestors_shortfall(client, spend, chosen).await?), chosen))
-            }
-            None => None,
-        })
     }
 
     /// Skips replacing `spend`'s live attempt `live` (a bump or a cancel) while a later spend of
@@ -1420,9 +1408,9 @@ impl BtcWorker {
             let prevouts = Self::reserved(&client, spend.id, &original).await?;
             let inputs: u64 = prevouts.iter().map(|(_, a)| a.to_sat()).sum();
             let weight = tx::tx_weight(original.input.len(), [P2WPKH_SCRIPT_LEN]);
-            let priced = self.replacement_fee_with_ancestors(&client, spend.id, &attempt, weight, rate).await?;
+            let priced = self.replacement_fee(&client, spend.id, &attempt, weight, rate).await?;
             let Some((fee, _)) = priced.filter(|(fee, _)| inputs.saturating_sub(*fee) >= CHANGE_DUST) else {
-                tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap; the original stands");
+                tracing::error!(lane = %lane.lane, tx = %live, "ALERT: a cancel cannot be priced within the fee cap, or its inputs cannot pay that fee (its unmined parents' share included); the original stands");
                 metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
                 continue;
             };

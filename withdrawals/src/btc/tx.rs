@@ -194,26 +194,40 @@ pub fn pay(script: ScriptBuf, amount: u64) -> TxOut {
     TxOut { value: Amount::from_sat(amount), script_pubkey: script }
 }
 
+/// Unmined transactions of ours that a transaction needs mined first (their change is among its
+/// inputs): what they pay together, and their size. A miner weighs the transaction with them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ancestors {
+    /// Their fees, satoshis.
+    pub fee: u64,
+    /// Their sizes, vbytes.
+    pub vsize: u64,
+}
+
 /// The fee a replacement of a transaction that paid `old_fee` for `old_vsize` must pay at least,
-/// for `new_weight`, to be accepted (BIP-125 rules 3–4 as Core applies them, plus ours): a rate at
-/// least 12.5% and at least `incremental` above the old one, at least `target`, and an absolute
-/// fee at least the old one plus `incremental` for the replacement's own size. `None`: that rate
-/// is above `cap`.
+/// for `new_weight`, to be accepted (BIP-125 rules 3–4 as Core applies them, plus ours), with
+/// `ancestors` (child pays for parent): the package's rate (the transaction's with its
+/// ancestors', as a miner weighs them) raised at least 12.5% and at least `incremental`, at least
+/// `target`; the replacement pays that rate for the package less what the ancestors pay, and at
+/// least the old fee plus `incremental` for its own size. The old fee paid for the ancestors too,
+/// so a second replacement raises the package's rate, not what the first paid on top of its own.
+/// `None`: that rate is above `cap`.
 pub fn replacement_fee(
-    old_fee: u64,
-    old_vsize: u64,
+    (old_fee, old_vsize): (u64, u64),
+    ancestors: Ancestors,
     new_weight: u64,
     target: FeeRate,
     incremental: FeeRate,
     cap: FeeRate,
 ) -> Option<(u64, FeeRate)> {
-    let old = FeeRate::of(old_fee, old_vsize);
+    let old = FeeRate::of(old_fee.saturating_add(ancestors.fee), old_vsize.saturating_add(ancestors.vsize));
     let raised = FeeRate(old.0.saturating_mul(9).div_ceil(8).max(old.0.saturating_add(incremental.0)));
     let rate = raised.max(target);
     if rate > cap {
         return None;
     }
-    let fee = rate.fee(new_weight).max(old_fee.saturating_add(incremental.fee(new_weight)));
+    let package = rate.fee(new_weight.saturating_add(ancestors.vsize.saturating_mul(4))).saturating_sub(ancestors.fee);
+    let fee = package.max(old_fee.saturating_add(incremental.fee(new_weight)));
     Some((fee, rate))
 }
 
@@ -282,16 +296,41 @@ mod tests {
 
     #[test]
     fn a_replacement_raises_the_rate_and_the_absolute_fee() {
+        let none = Ancestors::default();
         let (fee, rate) =
-            replacement_fee(1_410, 141, 564, FeeRate::per_vb(1), FeeRate::per_vb(1), FeeRate::per_vb(100))
+            replacement_fee((1_410, 141), none, 564, FeeRate::per_vb(1), FeeRate::per_vb(1), FeeRate::per_vb(100))
                 .expect("under cap");
         assert_eq!(rate, FeeRate(11_250), "10 sat/vB raised by 12.5%");
         assert!(fee >= 1_410 + 141, "pays for its own relay: {fee}");
         assert_eq!(fee, FeeRate(11_250).fee(564));
         // Low rates: the incremental fee decides.
-        let (_, rate) =
-            replacement_fee(141, 141, 564, FeeRate(0), FeeRate::per_vb(1), FeeRate::per_vb(100)).expect("under cap");
+        let (_, rate) = replacement_fee((141, 141), none, 564, FeeRate(0), FeeRate::per_vb(1), FeeRate::per_vb(100))
+            .expect("under cap");
         assert_eq!(rate, FeeRate(2_000));
-        assert_eq!(replacement_fee(14_100, 141, 564, FeeRate(0), FeeRate::per_vb(1), FeeRate::per_vb(100)), None);
+        assert_eq!(
+            replacement_fee((14_100, 141), none, 564, FeeRate(0), FeeRate::per_vb(1), FeeRate::per_vb(100)),
+            None
+        );
+    }
+
+    /// With an unmined parent (250 vB paying 500 sats) and the market at 20 sat/vB: the first
+    /// replacement of a 150 vB child paying 150 brings the two to 20 sat/vB; a second one raises
+    /// that package rate by 12.5%, to 22.5. Priced on the child's own rate with the parent's
+    /// shortfall added each time, the second paid 21,173 sats (56 sat/vB on the child alone, the
+    /// parent's shortfall at that rate on top): the old fee held the first shortfall already.
+    #[test]
+    fn a_second_replacement_raises_the_packages_rate_without_paying_for_the_parent_twice() {
+        let parent = Ancestors { fee: 500, vsize: 250 };
+        let (cap, incremental) = (FeeRate::per_vb(500), FeeRate::per_vb(1));
+        let (first, rate) =
+            replacement_fee((150, 150), parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
+        assert_eq!((first, rate), (20 * 400 - 500, FeeRate::per_vb(20)), "the two at 20 sat/vB");
+        let (second, rate) =
+            replacement_fee((first, 150), parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
+        assert_eq!(rate, FeeRate(22_500));
+        assert_eq!(second, 22_500 * 400 / 1000 - 500, "the two at 22.5 sat/vB");
+        // Without ancestors, as before.
+        let alone = replacement_fee((first, 150), Ancestors::default(), 600, FeeRate::per_vb(20), incremental, cap);
+        assert_eq!(alone.map(|(_, rate)| rate), Some(FeeRate(FeeRate::of(first, 150).0 * 9 / 8)));
     }
 }
