@@ -651,18 +651,19 @@ impl BtcWorker {
         weight: u64,
         rate: FeeRate,
     ) -> Result<Option<(u64, FeeRate)>, WorkError> {
-        let ancestors =
-            client.query(UNMINED_ANCESTORS, &[&spend]).await?.iter().fold(tx::Ancestors::default(), |sum, r| {
-                let (fee, vsize): (U256, i32) = (r.get(1), r.get(2));
-                tx::Ancestors {
-                    fee: sum.fee.saturating_add(sat(&fee)),
-                    vsize: sum.vsize.saturating_add(u64::try_from(vsize).expect("BUG: a negative vsize")),
-                }
-            });
+        let ancestors: Vec<tx::Ancestor> = client
+            .query(UNMINED_ANCESTORS, &[&spend])
+            .await?
+            .iter()
+            .map(|r| tx::Ancestor {
+                fee: sat(&r.get::<_, U256>(1)),
+                vsize: u64::try_from(r.get::<_, i32>(2)).expect("BUG: a negative vsize"),
+            })
+            .collect();
         let config = &self.config;
         Ok(tx::replacement_fee(
             (attempt.fee, attempt.vsize),
-            ancestors,
+            &ancestors,
             weight,
             rate,
             config.incremental_fee_rate,

@@ -194,40 +194,60 @@ pub fn pay(script: ScriptBuf, amount: u64) -> TxOut {
     TxOut { value: Amount::from_sat(amount), script_pubkey: script }
 }
 
-/// Unmined transactions of ours that a transaction needs mined first (their change is among its
-/// inputs): what they pay together, and their size. A miner weighs the transaction with them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Ancestors {
-    /// Their fees, satoshis.
+/// An unmined transaction of ours that a transaction needs mined first (its change is among the
+/// transaction's inputs): what it pays and its size. A miner weighs the two together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ancestor {
+    /// Its fee, satoshis.
     pub fee: u64,
-    /// Their sizes, vbytes.
+    /// Its size, vbytes.
     pub vsize: u64,
 }
 
+/// The rate a transaction paying `fee` for `vsize` is mined at with `ancestors`, as a miner
+/// weighs it: with those ancestors that pay less than the package they make (one paying more is
+/// mined on its own first, and helps nothing).
+fn effective_rate((fee, vsize): (u64, u64), ancestors: &[Ancestor]) -> FeeRate {
+    let mut with: Vec<&Ancestor> = ancestors.iter().collect();
+    loop {
+        let rate = FeeRate::of(
+            with.iter().fold(fee, |sum, a| sum.saturating_add(a.fee)),
+            with.iter().fold(vsize, |sum, a| sum.saturating_add(a.vsize)),
+        );
+        let before = with.len();
+        with.retain(|a| FeeRate::of(a.fee, a.vsize) < rate);
+        if with.len() == before {
+            return rate;
+        }
+    }
+}
+
 /// The fee a replacement of a transaction that paid `old_fee` for `old_vsize` must pay at least,
-/// for `new_weight`, to be accepted (BIP-125 rules 3–4 as Core applies them, plus ours), with
-/// `ancestors` (child pays for parent): the package's rate (the transaction's with its
-/// ancestors', as a miner weighs them) raised at least 12.5% and at least `incremental`, at least
-/// `target`; the replacement pays that rate for the package less what the ancestors pay, and at
-/// least the old fee plus `incremental` for its own size. The old fee paid for the ancestors too,
-/// so a second replacement raises the package's rate, not what the first paid on top of its own.
-/// `None`: that rate is above `cap`.
+/// for `new_weight`, to be accepted (BIP-125 rules 3–4 as Core applies them, plus ours), with its
+/// unmined `ancestors` (child pays for parent): the rate it was mined at with them
+/// ([`effective_rate`]) raised at least 12.5% and at least `incremental`, at least `target`. The
+/// replacement pays that rate for its own size plus what each ancestor pays below that rate for
+/// its own, and at least the old fee plus `incremental` for its own size. The old fee paid for
+/// the ancestors too, so a second replacement raises what the package pays, never pays for the
+/// ancestors twice. `None`: that rate is above `cap`.
 pub fn replacement_fee(
     (old_fee, old_vsize): (u64, u64),
-    ancestors: Ancestors,
+    ancestors: &[Ancestor],
     new_weight: u64,
     target: FeeRate,
     incremental: FeeRate,
     cap: FeeRate,
 ) -> Option<(u64, FeeRate)> {
-    let old = FeeRate::of(old_fee.saturating_add(ancestors.fee), old_vsize.saturating_add(ancestors.vsize));
+    let old = effective_rate((old_fee, old_vsize), ancestors);
     let raised = FeeRate(old.0.saturating_mul(9).div_ceil(8).max(old.0.saturating_add(incremental.0)));
     let rate = raised.max(target);
     if rate > cap {
         return None;
     }
-    let package = rate.fee(new_weight.saturating_add(ancestors.vsize.saturating_mul(4))).saturating_sub(ancestors.fee);
-    let fee = package.max(old_fee.saturating_add(incremental.fee(new_weight)));
+    let shortfall = ancestors
+        .iter()
+        .fold(0u64, |sum, a| sum.saturating_add(rate.fee(a.vsize.saturating_mul(4)).saturating_sub(a.fee)));
+    let fee = rate.fee(new_weight).saturating_add(shortfall).max(old_fee.saturating_add(incremental.fee(new_weight)));
     Some((fee, rate))
 }
 
@@ -296,7 +316,7 @@ mod tests {
 
     #[test]
     fn a_replacement_raises_the_rate_and_the_absolute_fee() {
-        let none = Ancestors::default();
+        let none = &[];
         let (fee, rate) =
             replacement_fee((1_410, 141), none, 564, FeeRate::per_vb(1), FeeRate::per_vb(1), FeeRate::per_vb(100))
                 .expect("under cap");
@@ -320,17 +340,34 @@ mod tests {
     /// parent's shortfall at that rate on top): the old fee held the first shortfall already.
     #[test]
     fn a_second_replacement_raises_the_packages_rate_without_paying_for_the_parent_twice() {
-        let parent = Ancestors { fee: 500, vsize: 250 };
+        let parent = [Ancestor { fee: 500, vsize: 250 }];
         let (cap, incremental) = (FeeRate::per_vb(500), FeeRate::per_vb(1));
         let (first, rate) =
-            replacement_fee((150, 150), parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
+            replacement_fee((150, 150), &parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
         assert_eq!((first, rate), (20 * 400 - 500, FeeRate::per_vb(20)), "the two at 20 sat/vB");
         let (second, rate) =
-            replacement_fee((first, 150), parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
+            replacement_fee((first, 150), &parent, 600, FeeRate::per_vb(20), incremental, cap).expect("under cap");
         assert_eq!(rate, FeeRate(22_500));
         assert_eq!(second, 22_500 * 400 / 1000 - 500, "the two at 22.5 sat/vB");
         // Without ancestors, as before.
-        let alone = replacement_fee((first, 150), Ancestors::default(), 600, FeeRate::per_vb(20), incremental, cap);
+        let alone = replacement_fee((first, 150), &[], 600, FeeRate::per_vb(20), incremental, cap);
         assert_eq!(alone.map(|(_, rate)| rate), Some(FeeRate(FeeRate::of(first, 150).0 * 9 / 8)));
+    }
+
+    /// An ancestor paying more than the rate needs no help (a miner takes it on its own first) and
+    /// lowers nothing: a parent of 1,000 vB at 100 sat/vB beside a child of 150 vB at 1 sat/vB,
+    /// market at 20. Averaged into the package, the two were at 87 sat/vB and the child paid
+    /// 12,668 sats (84 sat/vB, or the fee cap); it pays 20 sat/vB for itself. Beside a parent at
+    /// 22 sat/vB, averaging left the child at 17.3 sat/vB of its own, below the market.
+    #[test]
+    fn an_ancestor_paying_more_than_the_rate_is_neither_averaged_in_nor_paid_for() {
+        let (cap, incremental, market) = (FeeRate::per_vb(500), FeeRate::per_vb(1), FeeRate::per_vb(20));
+        let rich = [Ancestor { fee: 100_000, vsize: 1_000 }];
+        assert_eq!(replacement_fee((150, 150), &rich, 600, market, incremental, cap), Some((3_000, market)));
+        let above = [Ancestor { fee: 4_400, vsize: 200 }];
+        assert_eq!(replacement_fee((150, 150), &above, 600, market, incremental, cap), Some((3_000, market)));
+        // Beside one that needs help, only that one is paid for.
+        let both = [rich[0], Ancestor { fee: 500, vsize: 250 }];
+        assert_eq!(replacement_fee((150, 150), &both, 600, market, incremental, cap), Some((3_000 + 4_500, market)));
     }
 }
