@@ -1275,7 +1275,7 @@ impl BtcWorker {
                 let n = self.record_all(&spend, |w| !w.stuck_at_cap() && UNMINED.contains(&w.state()), &event).await?;
                 if n > 0 {
                     tracing::error!(lane = %lane.lane, tx = %live, cap_sat_per_kvb = self.config.max_fee_rate.0,
-                        "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from)");
+                        "ALERT: a BTC spend cannot be replaced within the fee cap (or has no change to pay more from, or would pay more for its own size than the node relays)");
                     metrics::counter!("custodian_fee_cap_reached_total", "lane" => lane.lane.to_string()).increment(1);
                     report.fee_cap_reached += 1;
                 }

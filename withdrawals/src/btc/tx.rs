@@ -222,6 +222,12 @@ fn effective_rate((fee, vsize): (u64, u64), ancestors: &[Ancestor]) -> FeeRate {
     }
 }
 
+/// Bitcoin Core's `sendrawtransaction` refuses a transaction paying more than 0.10 BTC/kvB for its
+/// own size (its default `maxfeerate`: `max-fee-exceeded`), whatever its ancestors: a replacement
+/// paying for large ones could reach it before the cap, which applies to the package. Kept 5%
+/// below, as a replacement's size is estimated before it is signed (sat/kvB).
+pub const NODE_MAX_FEE_RATE: FeeRate = FeeRate(9_500_000);
+
 /// The fee a replacement of a transaction that paid `old_fee` for `old_vsize` must pay at least,
 /// for `new_weight`, to be accepted (BIP-125 rules 3–4 as Core applies them, plus ours), with its
 /// unmined `ancestors` (child pays for parent): the rate it was mined at with them
@@ -229,7 +235,8 @@ fn effective_rate((fee, vsize): (u64, u64), ancestors: &[Ancestor]) -> FeeRate {
 /// replacement pays that rate for its own size plus what each ancestor pays below that rate for
 /// its own, and at least the old fee plus `incremental` for its own size. The old fee paid for
 /// the ancestors too, so a second replacement raises what the package pays, never pays for the
-/// ancestors twice. `None`: that rate is above `cap`.
+/// ancestors twice. `None`: that rate is above `cap`, or the replacement would pay more for its
+/// own size than the node relays ([`NODE_MAX_FEE_RATE`]).
 pub fn replacement_fee(
     (old_fee, old_vsize): (u64, u64),
     ancestors: &[Ancestor],
@@ -248,7 +255,7 @@ pub fn replacement_fee(
         .iter()
         .fold(0u64, |sum, a| sum.saturating_add(rate.fee(a.vsize.saturating_mul(4)).saturating_sub(a.fee)));
     let fee = rate.fee(new_weight).saturating_add(shortfall).max(old_fee.saturating_add(incremental.fee(new_weight)));
-    Some((fee, rate))
+    (FeeRate::of(fee, new_weight.div_ceil(4)) <= NODE_MAX_FEE_RATE).then_some((fee, rate))
 }
 
 #[cfg(test)]
@@ -369,5 +376,20 @@ mod tests {
         // Beside one that needs help, only that one is paid for.
         let both = [rich[0], Ancestor { fee: 500, vsize: 250 }];
         assert_eq!(replacement_fee((150, 150), &both, 600, market, incremental, cap), Some((3_000 + 4_500, market)));
+    }
+
+    /// A small child paying for a large parent at a high market rate would pay more for its own
+    /// size than Core relays (0.10 BTC/kvB): none, as at the cap, where the node would refuse it
+    /// at every pass. A parent of 20,000 vB at 1 sat/vB and a child of 141 vB, market 100 sat/vB:
+    /// 1,994,100 sats, 14,142 sat/vB of its own. At 20 sat/vB, 382,820 sats (2,715 sat/vB).
+    #[test]
+    fn a_replacement_the_node_would_refuse_for_its_own_rate_is_none() {
+        let (cap, incremental) = (FeeRate::per_vb(500), FeeRate::per_vb(1));
+        let parent = [Ancestor { fee: 20_000, vsize: 20_000 }];
+        assert_eq!(replacement_fee((141, 141), &parent, 564, FeeRate::per_vb(100), incremental, cap), None);
+        assert_eq!(
+            replacement_fee((141, 141), &parent, 564, FeeRate::per_vb(20), incremental, cap),
+            Some((382_820, FeeRate::per_vb(20)))
+        );
     }
 }
