@@ -303,6 +303,25 @@ impl Payouts {
         (second, parent)
     }
 
+    /// A mined payout (`w1`) and a second (`w2`) spending its change; then a reorg replaces the
+    /// block with the first by empty ones, and the pass sends it back (both wait in the mempool):
+    /// the two ids and the first's txid.
+    async fn parent_sent_back(&self, worker: &BtcWorker) -> (i64, i64, Txid) {
+        let first = self.mined_payout(worker, "w1", 2, 200_000).await;
+        let (second, parent) = self.spending_the_change_of(worker, first).await;
+        self.sim.reorg(1, &[vec![], vec![]]);
+        self.scan().await;
+        assert_eq!(worker.pass().await.unwrap().unmined, 1);
+        (first, second, parent)
+    }
+
+    /// The node's fee estimate rises to `sat_per_vb` and a block passes, scanned.
+    async fn market_rises_to(&self, sat_per_vb: u64) {
+        self.sim.set_fee_rate(Some(sat_per_vb));
+        self.sim.mine_empty(1);
+        self.scan().await;
+    }
+
     /// The coin withdrawal `id`'s transaction reserved (its txid): one coin.
     async fn reserved_by(&self, id: i64) -> String {
         self.value(&format!(
@@ -839,22 +858,15 @@ async fn a_spend_of_change_its_parent_lost_to_a_reorg_is_needs_review_and_resolv
 async fn a_reorged_payout_whose_change_is_spent_is_left_to_the_bump_of_its_spender() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
-    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
-    let (second, parent) = p.spending_the_change_of(&worker, first).await;
-
     // The block with the first is replaced by empty ones; both wait in the mempool, unmined, until
     // they are old enough to be bumped.
-    p.sim.reorg(1, &[vec![], vec![]]);
-    p.scan().await;
-    assert_eq!(worker.pass().await.unwrap().unmined, 1);
+    let (first, second, parent) = p.parent_sent_back(&worker).await;
     // A cancel would take the change away just the same: refused, nothing written.
     let refused = actions::cancel(&mut p.db.pool.get().await.unwrap(), first, "dana").await.unwrap_err();
     assert!(refused.to_string().contains("later payout of ours spends"), "{refused}");
     assert_eq!(p.load(first).await.state(), WithdrawalState::Broadcast);
     // Meanwhile the market rose to 20 sat/vB: the second's bump pays for both at that rate.
-    p.sim.set_fee_rate(Some(20));
-    p.sim.mine_empty(1);
-    p.scan().await;
+    p.market_rises_to(20).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1, "{report:?}");
     assert_eq!(p.load(first).await.tx_hash().map(|h| h.to_string()), Some(parent.to_string()), "the first as it was");
@@ -912,9 +924,7 @@ async fn a_bump_pays_for_every_unmined_ancestor_whose_change_it_spends() {
     p.sim.reorg(2, &[vec![], vec![], vec![]]);
     p.scan().await;
     assert_eq!(worker.pass().await.unwrap().unmined, 2);
-    p.sim.set_fee_rate(Some(20));
-    p.sim.mine_empty(1);
-    p.scan().await;
+    p.market_rises_to(20).await;
     let report = worker.pass().await.unwrap();
     assert_eq!(report.bumped, 1, "the third alone: {report:?}");
     assert_eq!(
@@ -943,14 +953,8 @@ async fn a_bump_pays_for_every_unmined_ancestor_whose_change_it_spends() {
 async fn a_cancel_of_a_payout_spending_an_unmined_parents_change_pays_for_the_parent() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 100, ..BtcConfig::default() });
-    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
-    let (second, parent) = p.spending_the_change_of(&worker, first).await;
-    p.sim.reorg(1, &[vec![], vec![]]);
-    p.scan().await;
-    assert_eq!(worker.pass().await.unwrap().unmined, 1);
-    p.sim.set_fee_rate(Some(20));
-    p.sim.mine_empty(1);
-    p.scan().await;
+    let (first, second, parent) = p.parent_sent_back(&worker).await;
+    p.market_rises_to(20).await;
     let (_, requested) = actions::cancel(&mut p.db.pool.get().await.unwrap(), second, "dana").await.unwrap();
     assert!(requested);
     let report = worker.pass().await.unwrap();
@@ -976,14 +980,8 @@ async fn a_cancel_of_a_payout_spending_an_unmined_parents_change_pays_for_the_pa
 async fn a_cancel_after_a_bump_pays_for_the_unmined_parent_once() {
     let p = Payouts::new(1, 1, 1_000_000, 50_000_000).await;
     let worker = p.worker(BtcConfig { confirmations: 3, bump_after_blocks: 2, ..BtcConfig::default() });
-    let first = p.mined_payout(&worker, "w1", 2, 200_000).await;
-    let (second, parent) = p.spending_the_change_of(&worker, first).await;
-    p.sim.reorg(1, &[vec![], vec![]]);
-    p.scan().await;
-    assert_eq!(worker.pass().await.unwrap().unmined, 1);
-    p.sim.set_fee_rate(Some(20));
-    p.sim.mine_empty(1);
-    p.scan().await;
+    let (first, second, parent) = p.parent_sent_back(&worker).await;
+    p.market_rises_to(20).await;
     assert_eq!(worker.pass().await.unwrap().bumped, 1);
     let bump = p.attempt_of(second, "bump").await.compute_txid();
     let (fees, vsize) = package(&p, &[parent, bump]).await;
