@@ -251,7 +251,12 @@ pub async fn connect(url: &DatabaseUrl, max_size: usize) -> Result<Pool, PoolErr
 /// bench the discrepancy check of each posting pass took 0.4–1.8 s of CPU, almost all of it JIT
 /// (130 functions inlined and optimised for a statement that read 64 rows), twice a block, on a
 /// machine with two cores.
-const SESSION_OPTIONS: &str = "-c jit=off";
+///
+/// `max_parallel_workers_per_gather=0`: for the same short statements, starting parallel workers
+/// cost more than they saved. The BTC worker's coin read (10,000 coins, under the lane lock) was
+/// planned with two workers and a Gather Merge that took 56 of its 72 ms while each worker sorted
+/// for 18 (`explain analyze` in the BTC allocation bench, on two cores); serially it took 25–39 ms.
+const SESSION_OPTIONS: &str = "-c jit=off -c max_parallel_workers_per_gather=0";
 
 /// `config` with [`SESSION_OPTIONS`] added to its startup options.
 fn with_session_options(config: &tokio_postgres::Config) -> tokio_postgres::Config {
@@ -295,12 +300,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pooled_sessions_switch_jit_off_after_the_urls_own_options() {
+    fn pooled_sessions_switch_jit_and_parallel_workers_off_after_the_urls_own_options() {
         let plain: DatabaseUrl = "postgres://app@db/custodian".parse().expect("valid");
-        assert_eq!(with_session_options(plain.config()).get_options(), Some("-c jit=off"));
+        assert_eq!(
+            with_session_options(plain.config()).get_options(),
+            Some("-c jit=off -c max_parallel_workers_per_gather=0")
+        );
         let given: DatabaseUrl =
             "postgres://app@db/custodian?options=-c%20statement_timeout%3D5000".parse().expect("valid");
-        assert_eq!(with_session_options(given.config()).get_options(), Some("-c statement_timeout=5000 -c jit=off"));
+        assert_eq!(
+            with_session_options(given.config()).get_options(),
+            Some("-c statement_timeout=5000 -c jit=off -c max_parallel_workers_per_gather=0")
+        );
     }
 
     #[test]

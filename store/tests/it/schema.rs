@@ -192,6 +192,29 @@ async fn pooled_connections_run_without_jit() {
     assert!(!plan.lines().any(|line| line.starts_with("JIT")), "{plan}");
 }
 
+/// Every pooled connection plans without parallel workers: the BTC worker's coin read under the
+/// lane lock (10,000 coins in the BTC allocation bench) was planned with two, and their start and
+/// Gather Merge took 56 of its 72 ms on two cores.
+#[tokio::test]
+async fn pooled_connections_plan_without_parallel_workers() {
+    let db = TestDb::new().await;
+    let client = db.pool.get().await.unwrap();
+    let workers: String = client.query_one("show max_parallel_workers_per_gather", &[]).await.unwrap().get(0);
+    assert_eq!(workers, "0");
+    // Large enough (above min_parallel_table_scan_size) that, with workers allowed, its plan
+    // gathers from them.
+    db.owner_client()
+        .await
+        .batch_execute(
+            "create table wide as select g as n from generate_series(1, 500000) g; analyze wide;
+             grant select on wide to custodian_app",
+        )
+        .await
+        .unwrap();
+    let plan = plan(&client, "select count(*) from wide where n % 7 = 3", &[]).await;
+    assert!(!plan.contains("Gather"), "{plan}");
+}
+
 /// A pooled connection's first statements pay for their plans (pipelined writes are planned
 /// generically on first use, PL/pgSQL functions and triggers on first call): the pool hands out
 /// the connection used last, so a few warm connections serve a steady load instead of every
