@@ -130,19 +130,6 @@ async fn main() {
     }
     // The statistics autovacuum keeps in service (ANALYZE needs the tables' owner).
     db.owner_client().await.batch_execute("analyze").await.unwrap();
-    if std::env::var_os("BTC_ALLOCATION_EXPLAIN").is_some() {
-        let plan = client
-            .query(
-                "explain (analyze, buffers) select tx_hash, output_index, amount, change_index from btc_lane_coin
-                  where lane = 'b0' and state = 'spendable' order by amount desc, tx_hash, output_index limit 500",
-                &[],
-            )
-            .await
-            .unwrap();
-        for row in plan {
-            println!("  {}", row.get::<_, String>(0));
-        }
-    }
     drop(client);
 
     let worker = |batch_max, batches_per_commit| {

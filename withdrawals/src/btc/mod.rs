@@ -400,6 +400,28 @@ fn choose(coins: &[Coin], ready: &[(Withdrawal, ScriptBuf)], rate: FeeRate) -> O
     })
 }
 
+/// Why the lane cannot pay `oldest_first` (the batch's amounts, oldest first) from `coins` (the
+/// spendable coins read, largest first): what the coins selection looks at hold, and what the
+/// oldest withdrawal needs. Selection looks at the largest [`CANDIDATES`] only, and a read stops at
+/// [`CACHED`]: past those, the text names the largest coins and not the lane's whole balance.
+fn shortage_text(coins: &[Coin], oldest_first: &[u64]) -> String {
+    let needed = oldest_first.first().copied().unwrap_or(0);
+    let looked_at = &coins[..coins.len().min(CANDIDATES)];
+    let held: u64 = looked_at.iter().map(|c| c.amount).sum();
+    if looked_at.len() == coins.len() && i64::try_from(coins.len()).unwrap_or(i64::MAX) < CACHED {
+        format!(
+            "{held} spendable satoshis in {} coins do not pay even the oldest withdrawal ({needed} satoshis plus fee)",
+            coins.len()
+        )
+    } else {
+        format!(
+            "the largest {} spendable coins, {held} satoshis (a batch spends from these only), do not pay even the \
+             oldest withdrawal ({needed} satoshis plus fee)",
+            looked_at.len()
+        )
+    }
+}
+
 /// A verified withdrawal and the script its output pays.
 type Payable = (Withdrawal, ScriptBuf);
 
@@ -793,13 +815,8 @@ impl BtcWorker {
             chosen = choose(&coins, &oldest, rate);
         }
         let Some((take, selection)) = chosen else {
-            let needed: u64 = oldest.iter().map(|(w, _)| sat(&w.amount().units())).min().unwrap_or(0);
-            let held: u64 = coins.iter().map(|c| c.amount).sum();
-            let short = format!(
-                "{} spendable satoshis in {} coins do not pay even the oldest withdrawal ({needed} satoshis plus fee)",
-                held,
-                coins.len()
-            );
+            let amounts: Vec<u64> = oldest.iter().map(|(w, _)| sat(&w.amount().units())).collect();
+            let short = shortage_text(&coins, &amounts);
             tx.commit_with(&[(&set_short, &[&lane.lane.as_str(), &short])]).await?;
             if shortage.is_none() {
                 tracing::error!(lane = %lane.lane, %short, "ALERT: BTC hot wallet short; its withdrawals wait");
@@ -1560,7 +1577,7 @@ mod tests {
             .await
             .unwrap();
         let client = db.client().await;
-        let plan = generic_plan(&client, SPENDABLE, "'b0', 5000").await;
+        let plan = generic_plan(&client, SPENDABLE, "'b0', 2000").await;
         assert!(!plan.contains("Seq Scan on deposit_event"), "every BTC output walked:\n{plan}");
         assert!(plan.contains("deposit_event_address_covering"), "the lane's addresses not probed:\n{plan}");
         let lane: i64 =
@@ -1573,45 +1590,66 @@ mod tests {
     /// Spendable: credited deposits at the funding address (one whose reservation was released,
     /// one whose spend was mined in a block since orphaned), and change a spend of ours made. Not:
     /// a deposit not credited yet, one reserved by a live spend, one spent on the canonical chain,
-    /// one in an orphaned block, and an output to a change address no spend of ours made. Largest
-    /// first, equal amounts in the order they were observed, and the limit taken from the top.
+    /// one in an orphaned block, our change reserved by a live spend, an output to a change
+    /// address that no spend of ours made (even with a ledger credit for it), and another lane's
+    /// coin. Largest first, equal amounts in the order they were observed (not by hash), and the
+    /// limit taken from the top.
     #[tokio::test]
     async fn the_worker_spends_what_the_lane_view_calls_spendable_largest_first() {
         let (db, key) = lane_b0(5).await;
+        let other = BtcHotKey::parse(
+            &Xpriv::new_master(bitcoin::Network::Regtest, &[6; 32])
+                .unwrap()
+                .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
+                .unwrap()
+                .to_string(),
+            BtcNetwork::Regtest,
+        )
+        .unwrap();
+        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &other, "b1", 0, "test").await.unwrap();
         let funding = key.funding_address().to_string();
+        let other_funding = other.funding_address().to_string();
         let (change_0, change_1) = (key.change_address(0).to_string(), key.change_address(1).to_string());
         let hash = |n: u64| format!("{n:064x}");
         let (block_1, block_2, orphan) = (hash(0xb1), hash(0xb2), hash(0xb0b));
-        // (coin, address, amount, block, credited): each coin is output 0 of the transaction `hash(coin)`.
-        let coins: [(u64, &str, u64, &str, bool); 11] = [
-            (0xa, &funding, 50_000, &block_1, true),   // spendable
-            (0xb, &funding, 70_000, &block_1, true),   // spendable, observed before 0xc
-            (0xc, &funding, 70_000, &block_1, true),   // spendable
-            (0xd, &funding, 90_000, &block_1, false),  // unconfirmed: not credited yet
-            (0xe, &funding, 80_000, &block_1, true),   // reserved by a live spend
-            (0xf, &funding, 60_000, &block_1, true),   // its reservation released: spendable
-            (0x10, &change_0, 40_000, &block_2, true), // our change (an attempt made it): spendable
-            (0x11, &change_1, 45_000, &block_2, true), // no attempt of ours made it: not custody
-            (0x12, &funding, 85_000, &block_1, true),  // spent in canonical block 2
-            (0x13, &funding, 30_000, &block_1, true),  // spent only in the orphaned block: spendable
-            (0x14, &funding, 95_000, &orphan, true),   // in the orphaned block
+        // (coin, address, amount, block, credited), in the order observed: each coin is output 0
+        // of the transaction `hash(coin)`.
+        let coins: [(u64, &str, u64, &str, bool); 14] = [
+            (0xa, &funding, 50_000, &block_1, true),        // spendable
+            (0xc, &funding, 70_000, &block_1, true),        // spendable, observed before 0xb
+            (0xb, &funding, 70_000, &block_1, true),        // spendable
+            (0xd, &funding, 90_000, &block_1, false),       // unconfirmed: not credited yet
+            (0xe, &funding, 80_000, &block_1, true),        // reserved by a live spend
+            (0xf, &funding, 60_000, &block_1, true),        // its reservation released: spendable
+            (0x10, &change_0, 40_000, &block_2, false),     // our change (an attempt made it): spendable
+            (0x11, &change_1, 45_000, &block_2, true),      // no attempt of ours made it: not custody
+            (0x12, &funding, 85_000, &block_1, true),       // spent in canonical block 2
+            (0x13, &funding, 30_000, &block_1, true),       // spent only in the orphaned block: spendable
+            (0x14, &funding, 95_000, &orphan, true),        // in the orphaned block
+            (0x15, &other_funding, 99_000, &block_1, true), // lane b1's
+            (0x16, &change_0, 48_000, &block_2, false),     // our change, reserved by a live spend
+            (0x17, &change_0, 35_000, &block_2, false),     // our change: spendable
         ];
         let mut sql = format!(
             "insert into chain_block (chain, height, block_hash, parent_hash, orphaned_at) values
                  ('btc', 1, '{block_1}', '{}', null), ('btc', 2, '{block_2}', '{block_1}', null),
                  ('btc', 2, '{orphan}', '{block_1}', now());
              insert into btc_change_address (lane, derivation_index, address) values ('b0', 0, '{change_0}'), ('b0', 1, '{change_1}');
-             insert into btc_spend (id, lane) values (1, 'b0'), (2, 'b0');
+             insert into btc_spend (id, lane) values (1, 'b0'), (2, 'b0'), (3, 'b0'), (4, 'b0');
              insert into btc_attempt (tx_hash, spend_id, kind, raw_tx, fee, vsize, change_output, change_index)
-                  values ('{}', 2, 'original', '\\x00', 1000, 141, 0, 0);
+                  values ('{}', 2, 'original', '\\x00', 1000, 141, 0, 0), ('{}', 3, 'original', '\\x00', 1000, 141, 0, 0),
+                         ('{}', 4, 'original', '\\x00', 1000, 141, 0, 0);
              insert into utxo_reservation (tx_hash, output_index, spend_id, amount, change_index, released_at)
-                  values ('{}', 0, 1, 80000, null, null), ('{}', 0, 2, 60000, null, now());
+                  values ('{}', 0, 1, 80000, null, null), ('{}', 0, 2, 60000, null, now()), ('{}', 0, 1, 48000, 0, null);
              insert into output_spend (chain, tx_hash, output_index, spending_tx, input_index, block_hash)
                   values ('btc', '{}', 0, '{}', 0, '{block_2}'), ('btc', '{}', 0, '{}', 0, '{orphan}');",
             hash(0),
             hash(0x10),
+            hash(0x16),
+            hash(0x17),
             hash(0xe),
             hash(0xf),
+            hash(0x16),
             hash(0x12),
             hash(0x5e),
             hash(0x13),
@@ -1623,7 +1661,7 @@ mod tests {
                 "insert into deposit_event (chain, block_hash, tx_hash, output_index, address, asset, amount, kind)
                       values ('btc', '{block}', '{tx}', 0, '{address}', 'BTC', {amount}, 'output');"
             ));
-            if credited && address == funding {
+            if credited {
                 sql.push_str(&format!(
                     "begin;
                      insert into ledger_transfer (idempotency_key, kind, deposit_key)
@@ -1638,11 +1676,11 @@ mod tests {
         db.owner_client().await.batch_execute(&sql).await.unwrap();
         let client = db.client().await;
         let spendable = client.prepare(SPENDABLE).await.unwrap();
-        let read = |limit: i64| {
+        let read = |lane: &'static str, limit: i64| {
             let (client, spendable) = (&client, &spendable);
             async move {
                 client
-                    .query(spendable, &[&"b0", &limit])
+                    .query(spendable, &[&lane, &limit])
                     .await
                     .unwrap()
                     .iter()
@@ -1651,30 +1689,36 @@ mod tests {
             }
         };
         let expected: Vec<(String, i32, u64, Option<i32>)> = [
-            (0xb, 70_000, None),
             (0xc, 70_000, None),
+            (0xb, 70_000, None),
             (0xf, 60_000, None),
             (0xa, 50_000, None),
             (0x10, 40_000, Some(0)),
+            (0x17, 35_000, Some(0)),
             (0x13, 30_000, None),
         ]
         .into_iter()
         .map(|(coin, amount, change)| (hash(coin), 0, amount, change))
         .collect();
-        assert_eq!(read(100).await, expected);
-        assert_eq!(read(3).await, expected[..3], "the limit takes the largest");
-        let view: Vec<(String, u64)> = client
-            .query(
-                "select tx_hash, amount from btc_lane_coin where lane = 'b0' and state = 'spendable' order by amount desc, tx_hash",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), sat(&r.get::<_, U256>(1))))
-            .collect();
-        let ours: Vec<(String, u64)> = expected.iter().map(|(tx, _, amount, _)| (tx.clone(), *amount)).collect();
-        assert_eq!(view, ours, "the view and the worker disagree on what is spendable");
+        assert_eq!(read("b0", 100).await, expected);
+        assert_eq!(read("b0", 3).await, expected[..3], "the limit takes the largest");
+        assert_eq!(read("b1", 100).await, [(hash(0x15), 0, 99_000, None)], "each lane its own");
+        for lane in ["b0", "b1"] {
+            let view: Vec<(String, u64)> = client
+                .query(
+                    "select tx_hash, amount from btc_lane_coin where lane = $1 and state = 'spendable' order by tx_hash",
+                    &[&lane],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), sat(&r.get::<_, U256>(1))))
+                .collect();
+            let mut ours: Vec<(String, u64)> =
+                read(lane, 100).await.into_iter().map(|(tx, _, amount, _)| (tx, amount)).collect();
+            ours.sort();
+            assert_eq!(view, ours, "the view and the worker disagree on what lane {lane} may spend");
+        }
     }
 
     /// A later spend holds its parent's replacement back only while it can still be mined: one in
@@ -1712,6 +1756,30 @@ mod tests {
         assert!(spent(1).await);
         owner.batch_execute("update utxo_reservation set released_at = now() where spend_id = 2").await.unwrap();
         assert!(!spent(1).await, "a released reservation holds nothing");
+    }
+
+    /// The shortage names what the oldest withdrawal needs (it named the smallest of the batch's)
+    /// and, when the lane holds more coins than selection looks at, the largest coins and not a
+    /// sum of every coin read.
+    #[test]
+    fn a_shortage_names_the_oldest_withdrawal_and_the_coins_selection_looked_at() {
+        let coin = |n: u32, amount: u64| Coin {
+            outpoint: OutPoint { txid: format!("{:064x}", 1).parse().unwrap(), vout: n },
+            amount,
+            path: path_of(None),
+        };
+        let few: Vec<Coin> = (0..3).map(|n| coin(n, 100_000)).collect();
+        assert_eq!(
+            shortage_text(&few, &[600_000, 10_000]),
+            "300000 spendable satoshis in 3 coins do not pay even the oldest withdrawal (600000 satoshis plus fee)"
+        );
+        let many: Vec<Coin> =
+            (0..(CANDIDATES as u32 + 100)).map(|n| coin(n, if n < 10 { 5_000 } else { 1_000 })).collect();
+        assert_eq!(
+            shortage_text(&many, &[900_000]),
+            "the largest 500 spendable coins, 540000 satoshis (a batch spends from these only), do not pay even the \
+             oldest withdrawal (900000 satoshis plus fee)"
+        );
     }
 
     #[test]
