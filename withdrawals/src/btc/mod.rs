@@ -1503,13 +1503,19 @@ mod tests {
     /// A database with one BTC lane, `b0`, its account key derived from `seed`.
     async fn lane_b0(seed: u8) -> (TestDb, BtcHotKey) {
         let db = TestDb::new().await;
+        let key = add_lane(&db, "b0", seed).await;
+        (db, key)
+    }
+
+    /// Registers lane `lane` with the BIP-84 regtest account key of the master seed `[seed; 32]`.
+    async fn add_lane(db: &TestDb, lane: &str, seed: u8) -> BtcHotKey {
         let account = Xpriv::new_master(bitcoin::Network::Regtest, &[seed; 32])
             .unwrap()
             .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
             .unwrap();
         let key = BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap();
-        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, "b0", 0, "test").await.unwrap();
-        (db, key)
+        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &key, lane, 0, "test").await.unwrap();
+        key
     }
 
     /// The lane's batch is read from the requested queue's index whatever the statistics say: on
@@ -1597,16 +1603,7 @@ mod tests {
     #[tokio::test]
     async fn the_worker_spends_what_the_lane_view_calls_spendable_largest_first() {
         let (db, key) = lane_b0(5).await;
-        let other = BtcHotKey::parse(
-            &Xpriv::new_master(bitcoin::Network::Regtest, &[6; 32])
-                .unwrap()
-                .derive_priv(&bitcoin::secp256k1::Secp256k1::new(), &DerivationPath::from_str("m/84'/1'/0'").unwrap())
-                .unwrap()
-                .to_string(),
-            BtcNetwork::Regtest,
-        )
-        .unwrap();
-        hot_wallet::add_btc(&mut db.pool.get().await.unwrap(), &other, "b1", 0, "test").await.unwrap();
+        let other = add_lane(&db, "b1", 6).await;
         let funding = key.funding_address().to_string();
         let other_funding = other.funding_address().to_string();
         let (change_0, change_1) = (key.change_address(0).to_string(), key.change_address(1).to_string());
