@@ -47,8 +47,14 @@ const COINS: usize = 10_000;
 const COIN_SATS: u64 = 50_000;
 const PAYOUT_SATS: u64 = 20_000;
 
-/// Allocates until `n` more withdrawals are signed; returns how many, and the time it took.
-async fn drain(worker: &BtcWorker, n: u64) -> (u64, Duration) {
+/// Allocates until `n` more withdrawals are signed; returns how many, and the time it took. The
+/// worker runs in a task of its own, as `serve` runs it (a spawned task, on a runtime thread).
+async fn drain(worker: &Arc<BtcWorker>, n: u64) -> (u64, Duration) {
+    let worker = Arc::clone(worker);
+    tokio::spawn(async move { allocate(&worker, n).await }).await.expect("the allocating task ran")
+}
+
+async fn allocate(worker: &BtcWorker, n: u64) -> (u64, Duration) {
     let started = Instant::now();
     let mut signed = 0;
     while signed < n {
@@ -62,7 +68,7 @@ async fn drain(worker: &BtcWorker, n: u64) -> (u64, Duration) {
 /// [`ROUNDS`] rounds of the one-row ceiling (`per_round` transactions, at least 400) each followed
 /// by `worker` draining `per_round` withdrawals, so that a slow spell of the machine weighs on both
 /// alike: how many were signed, their rate, and the ceiling's rate over its rounds.
-async fn alternating(worker: &BtcWorker, db: &TestDb, per_round: u64) -> (u64, u64, u64) {
+async fn alternating(worker: &Arc<BtcWorker>, db: &TestDb, per_round: u64) -> (u64, u64, u64) {
     let (mut ceiling_n, mut ceiling_t, mut ours_n, mut ours_t) = (0, Duration::ZERO, 0, Duration::ZERO);
     for _ in 0..ROUNDS {
         let (n, t) = one_row_ceiling(db, per_round.max(400)).await;
@@ -141,7 +147,7 @@ async fn main() {
             batch_wait: Duration::ZERO,
             ..BtcConfig::default()
         };
-        BtcWorker::new(
+        Arc::new(BtcWorker::new(
             db.pool.clone(),
             BtcNode::new(rpc),
             HashMap::from([(
@@ -149,7 +155,7 @@ async fn main() {
                 Arc::new(BtcHotKey::parse(&account.to_string(), BtcNetwork::Regtest).unwrap()),
             )]),
             config,
-        )
+        ))
     };
     let (ours_n, batch_1, ceiling_1) =
         alternating(&worker(1, 1), &db, u64::try_from(batch_1_n).unwrap() / ROUNDS).await;

@@ -212,6 +212,11 @@ impl Pipelined {
                     std::task::Poll::Ready(())
                 })
                 .await;
+                // The request is queued for the connection's task, which writes it to the socket;
+                // woken from a task on a runtime thread, that task waits in the thread's next-task
+                // slot, which no other thread takes, until this one yields. Without the yield, a
+                // producer that blocks its thread (signing) sent every write only once it was done.
+                tokio::task::yield_now().await;
             };
             if commit {
                 let tail = futures::future::join_all(tail.iter().map(|(s, p)| client.execute(*s, p)));

@@ -102,3 +102,60 @@ async fn reads_run_with_generic_plans_inside_their_own_transaction_only() {
     let state = other.query_one("select state from pg_stat_activity where pid = $1", &[&pid]).await.expect("state");
     assert_eq!(state.get::<_, String>(0), "idle", "no transaction was left open");
 }
+
+/// Each produced write goes to the server when it is made, not when the producer is done: the
+/// server runs one while the producer makes the next (the BTC worker signs a batch while the one
+/// before it is stored). The producer here blocks its thread as signing does, 200 ms per write
+/// after the first, on the multi-threaded runtime the service runs; the server stamps each write
+/// with its own clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_produced_write_reaches_the_server_while_the_next_is_made() {
+    let db = seeded().await;
+    let client = db.pool.get().await.expect("pooled");
+    let (lock, stamp) = (
+        client.prepare_cached(LOCK).await.expect("prepare"),
+        client
+            .prepare_cached(
+                "insert into account (external_ref)
+                 values ($1::text || '@' || (extract(epoch from clock_timestamp()) * 1000000)::bigint)",
+            )
+            .await
+            .expect("prepare"),
+    );
+    // Spawned, as the service runs its workers: a task on a worker thread, where a task it wakes
+    // (the connection's) waits for it to yield.
+    let (affected, last_made_at) = tokio::spawn(async move {
+        let (tx, _) = Pipelined::begin_with(client, &lock, &[&1i64]).await.expect("begin");
+        let mut made = 0;
+        let mut last_made_at = None;
+        let next = || {
+            if made == 3 {
+                return custodian_store::pipeline::Produced::Done;
+            }
+            if made > 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            made += 1;
+            last_made_at = Some(std::time::SystemTime::now());
+            let params: custodian_store::pipeline::OwnedParams = vec![Box::new(format!("w{made}"))];
+            custodian_store::pipeline::Produced::Write(params)
+        };
+        let affected = tx.commit_produced(&stamp, next, &[]).await.expect("commit");
+        (affected, last_made_at)
+    })
+    .await
+    .expect("the task ran");
+    assert_eq!(affected, Some(vec![1, 1, 1]));
+    let last_made_at = last_made_at.expect("three writes made").duration_since(std::time::UNIX_EPOCH).expect("clock");
+    let stamps: Vec<u128> = accounts(&db)
+        .await
+        .iter()
+        .filter_map(|r| r.split_once('@').map(|(_, micros)| micros.parse().expect("stamp")))
+        .collect();
+    assert_eq!(stamps.len(), 3, "{stamps:?}");
+    let ran_before_last = last_made_at.as_micros().saturating_sub(stamps[0]);
+    assert!(
+        ran_before_last >= 300_000,
+        "the first write ran {ran_before_last} µs before the last was made, not while the other two were made (400 ms)"
+    );
+}
